@@ -1,0 +1,65 @@
+from remesh.v1 import coordinator_pb2 as _coordinator_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Assignment(_message.Message):
+    __slots__ = ("topology", "host_id", "rank", "world_size")
+    TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    topology: _coordinator_pb2.Topology
+    host_id: str
+    rank: int
+    world_size: int
+    def __init__(self, topology: _Optional[_Union[_coordinator_pb2.Topology, _Mapping]] = ..., host_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+
+class WatchAssignmentsRequest(_message.Message):
+    __slots__ = ("after_epoch",)
+    AFTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    after_epoch: int
+    def __init__(self, after_epoch: _Optional[int] = ...) -> None: ...
+
+class ReportProgressRequest(_message.Message):
+    __slots__ = ("step", "epoch")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    epoch: int
+    def __init__(self, step: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class ReportProgressResponse(_message.Message):
+    __slots__ = ("current_epoch",)
+    CURRENT_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    current_epoch: int
+    def __init__(self, current_epoch: _Optional[int] = ...) -> None: ...
+
+class LocalAckRequest(_message.Message):
+    __slots__ = ("epoch", "restored_step", "restore_source", "phases")
+    class PhasesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_STEP_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    PHASES_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    restored_step: int
+    restore_source: str
+    phases: _containers.ScalarMap[str, float]
+    def __init__(self, epoch: _Optional[int] = ..., restored_step: _Optional[int] = ..., restore_source: _Optional[str] = ..., phases: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class LocalAckResponse(_message.Message):
+    __slots__ = ("live",)
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    live: bool
+    def __init__(self, live: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,5 @@
+import sys
+
+from remesh.cli import main
+
+sys.exit(main())

@@ -1,0 +1,114 @@
+"""``remesh coordinator``: serve one job's membership from Redis."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+from typing import Any
+
+import structlog
+
+from remesh.coordinator import DetectorSettings, PlannerSettings, Settings, serve
+from remesh.coordinator.errors import StoreUnavailable
+
+log = structlog.get_logger("remesh.cli")
+
+
+def add_parser(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "coordinator",
+        help="run the coordinator (gRPC) for one job",
+        description="Serve membership, failure detection and topology epochs for one job, with state in Redis.",
+    )
+    p.add_argument(
+        "--redis",
+        default=os.environ.get("REMESH_REDIS_URL", "redis://127.0.0.1:6379/0"),
+        help="Redis URL (env REMESH_REDIS_URL), or 'embedded' to start a private redis-server",
+    )
+    p.add_argument("--job", default=os.environ.get("REMESH_JOB", "default"), help="job id (env REMESH_JOB)")
+    p.add_argument("--listen", default="127.0.0.1:50051", help="gRPC address; port 0 picks a free port")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    p.add_argument("--preset", choices=["local", "production"], default="local", help="detector timings")
+    p.add_argument("--world-size", type=int, default=4, help="hosts the job forms with and grows back to")
+    p.add_argument("--min-world-size", type=int, default=1, help="never shrink below this; wait instead")
+    p.add_argument("--must-divide", type=int, default=0, help="a world size must divide this (e.g. global batch)")
+    p.add_argument("--max-wait", type=float, default=30.0, help="seconds to wait below the minimum before halting")
+    p.add_argument("--heartbeat-interval", type=float, help="override the preset's heartbeat interval (s)")
+    p.add_argument("--heartbeat-timeout", type=float, help="override the preset's heartbeat timeout (s)")
+    p.add_argument("--port-file", help="write the bound gRPC port to this file once serving")
+    p.set_defaults(run=run)
+
+
+def settings_from_args(args: argparse.Namespace, redis_url: str) -> Settings:
+    base = Settings.production() if args.preset == "production" else Settings.local()
+    d = base.detector
+    if args.heartbeat_interval:
+        d = DetectorSettings(
+            heartbeat_interval_s=args.heartbeat_interval,
+            suspect_after_s=3 * args.heartbeat_interval,
+            heartbeat_timeout_s=args.heartbeat_timeout or 6 * args.heartbeat_interval,
+            stream_grace_s=d.stream_grace_s,
+            failover_grace_s=d.failover_grace_s,
+        )
+    elif args.heartbeat_timeout:
+        d = DetectorSettings(**{**d.__dict__, "heartbeat_timeout_s": args.heartbeat_timeout})
+    planner = PlannerSettings(
+        world_size=args.world_size,
+        min_world_size=args.min_world_size,
+        world_size_must_divide=args.must_divide,
+        max_wait_s=args.max_wait,
+    )
+    return Settings(
+        job_id=args.job,
+        redis_url=redis_url,
+        listen=args.listen,
+        metrics_port=args.metrics_port,
+        detector=d,
+        planner=planner,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.world_size < 1 or args.min_world_size > args.world_size:
+        log.error("invalid sizes", world_size=args.world_size, min_world_size=args.min_world_size,
+                  hint="--world-size must be >= 1 and >= --min-world-size")
+        return 2
+    embedded = None
+    redis_url = args.redis
+    if redis_url == "embedded":
+        from remesh.embedded import RedisServer
+
+        embedded = RedisServer().start()
+        redis_url = embedded.url
+        log.info("embedded redis started", url=redis_url, dir=embedded.directory)
+    try:
+        return asyncio.run(_serve(settings_from_args(args, redis_url), args.port_file))
+    finally:
+        if embedded is not None:
+            embedded.close()
+
+
+async def _serve(settings: Settings, port_file: str | None) -> int:
+    try:
+        running = await serve(settings)
+    except StoreUnavailable as exc:
+        log.error("cannot start", error=str(exc))
+        return 2
+    except OSError as exc:
+        log.error("cannot start", error=str(exc))
+        return 2
+    if port_file:
+        tmp = f"{port_file}.tmp"
+        with open(tmp, "w") as f:
+            f.write(str(running.port))
+        os.replace(tmp, port_file)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("coordinator stopping")
+    await running.stop()
+    return 0

@@ -1,0 +1,119 @@
+"""Translation between the domain model and the remesh.v1 protobuf messages, in one place."""
+
+from __future__ import annotations
+
+from remesh.coordinator.model import Event, EventType, Member, MemberState, Role, Topology, TopologyMember
+from remesh.v1 import coordinator_pb2 as pb
+
+__all__ = [
+    "event_to_pb",
+    "event_type_from_pb",
+    "member_state_from_pb",
+    "member_to_pb",
+    "role_from_pb",
+    "topology_from_pb",
+    "topology_to_pb",
+]
+
+_ROLE = {Role.ACTIVE: pb.ROLE_ACTIVE, Role.SPARE: pb.ROLE_SPARE}
+_STATE = {
+    MemberState.JOINING: pb.MEMBER_STATE_JOINING,
+    MemberState.ALIVE: pb.MEMBER_STATE_ALIVE,
+    MemberState.SUSPECT: pb.MEMBER_STATE_SUSPECT,
+    MemberState.DEAD: pb.MEMBER_STATE_DEAD,
+    MemberState.LEFT: pb.MEMBER_STATE_LEFT,
+    MemberState.DRAINING: pb.MEMBER_STATE_DRAINING,
+}
+_STATE_BACK = {v: k for k, v in _STATE.items()}
+_EVENT = {t: getattr(pb, f"EVENT_TYPE_{t.name}") for t in EventType}
+_EVENT_BACK = {v: k for k, v in _EVENT.items()}
+
+
+def role_from_pb(value: int) -> Role:
+    """ROLE_SPARE asks to stay in reserve; anything else makes the host eligible for a rank."""
+    return Role.SPARE if value == pb.ROLE_SPARE else Role.ACTIVE
+
+
+def member_state_from_pb(value: int) -> MemberState:
+    try:
+        return _STATE_BACK[value]
+    except KeyError:
+        raise ValueError(f"unknown member state {value}") from None
+
+
+def event_type_from_pb(value: int) -> EventType:
+    try:
+        return _EVENT_BACK[value]
+    except KeyError:
+        raise ValueError(f"unknown event type {value}") from None
+
+
+def member_to_pb(member: Member, last_step: int = -1) -> pb.Member:
+    return pb.Member(
+        host_id=member.host_id,
+        incarnation=member.incarnation,
+        role=_ROLE[member.role],
+        state=_STATE[member.state],
+        device_count=member.device_count,
+        address=member.address,
+        rank=member.rank,
+        reason=member.reason,
+        updated_at=member.updated_at,
+        last_step=last_step,
+    )
+
+
+def topology_to_pb(topology: Topology | None) -> pb.Topology:
+    if topology is None:
+        return pb.Topology(epoch=0, restore_step=-1, reason="no topology yet: waiting for hosts")
+    return pb.Topology(
+        epoch=topology.epoch,
+        members=[
+            pb.TopologyMember(host_id=m.host_id, rank=m.rank, device_count=m.device_count, address=m.address)
+            for m in topology.members
+        ],
+        mesh_shape=list(topology.mesh_shape),
+        jax_coordinator_address=topology.jax_coordinator_address,
+        restore_step=topology.restore_step,
+        reason=topology.reason,
+        created_at=topology.created_at,
+        halted=topology.halted,
+        job_id=topology.job_id,
+    )
+
+
+def topology_from_pb(msg: pb.Topology) -> Topology | None:
+    if msg.epoch == 0:
+        return None
+    return Topology(
+        epoch=msg.epoch,
+        members=tuple(
+            TopologyMember(host_id=m.host_id, rank=m.rank, device_count=m.device_count, address=m.address)
+            for m in msg.members
+        ),
+        mesh_shape=tuple(msg.mesh_shape),
+        jax_coordinator_address=msg.jax_coordinator_address,
+        restore_step=msg.restore_step,
+        reason=msg.reason,
+        created_at=msg.created_at,
+        halted=msg.halted,
+        job_id=msg.job_id,
+    )
+
+
+def event_to_pb(event: Event) -> pb.Event:
+    msg = pb.Event(
+        id=event.id,
+        type=_EVENT[event.type],
+        time=event.time,
+        host_id=event.host_id,
+        incarnation=event.incarnation,
+        epoch=event.epoch,
+        reason=event.reason,
+        details=dict(event.details),
+    )
+    if event.member is not None:
+        msg.member.CopyFrom(member_to_pb(event.member))
+    if event.topology is not None:
+        msg.topology.CopyFrom(topology_to_pb(event.topology))
+    return msg

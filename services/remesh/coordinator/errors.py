@@ -1,0 +1,55 @@
+"""The coordinator's errors: one root, split by what the caller should do.
+
+::
+
+    CoordinatorError
+    ├── InvalidRequest      the request is malformed: fix it, do not retry   -> INVALID_ARGUMENT
+    ├── NotFound            an unknown host or id                             -> NOT_FOUND
+    ├── Rejected            valid but refused in this state (stale
+    │                       incarnation or epoch, dead member, halted job)    -> FAILED_PRECONDITION
+    └── TemporaryError      try again with backoff
+        ├── StoreUnavailable  Redis cannot be reached                       -> UNAVAILABLE
+        └── Conflict          another writer changed the state first        -> ABORTED
+
+The gRPC status of each is chosen in one place, ``remesh.coordinator.server``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "Conflict",
+    "CoordinatorError",
+    "InvalidRequest",
+    "NotFound",
+    "Rejected",
+    "StoreUnavailable",
+    "TemporaryError",
+]
+
+
+class CoordinatorError(Exception):
+    """Root of every error the coordinator raises on purpose."""
+
+
+class InvalidRequest(CoordinatorError):
+    pass
+
+
+class NotFound(CoordinatorError):
+    pass
+
+
+class Rejected(CoordinatorError):
+    pass
+
+
+class TemporaryError(CoordinatorError):
+    pass
+
+
+class StoreUnavailable(TemporaryError):
+    pass
+
+
+class Conflict(TemporaryError):
+    pass

@@ -1,0 +1,309 @@
+"""The member state machine: one pure transition function per input.
+
+Each function takes the clock and the current ``ClusterState``, checks its guards first (unknown host,
+stale incarnation, wrong state, stale epoch) and returns the events that record the change; it never
+mutates anything. A refused input raises a ``CoordinatorError`` and so changes nothing.
+
+::
+
+    register ─> joining ──heartbeat──> alive ──silence/stream break──> suspect ──> dead
+                                         ^                                │
+                                         └────────────heartbeat──────────┘
+    leave ─> left          drain ─> draining ─(replaced)─> leave ─> left
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from remesh.coordinator.errors import InvalidRequest, NotFound, Rejected
+from remesh.coordinator.model import ClusterState, Event, EventType, Member, MemberState, Role
+
+__all__ = [
+    "FaultKind",
+    "FaultOutcome",
+    "ack_epoch",
+    "declare",
+    "drain",
+    "heartbeat",
+    "leave",
+    "register",
+    "report_fault",
+    "validate_host_id",
+]
+
+_HOST_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
+_MAX_DEVICES = 65536
+_MAX_TEXT = 1024
+
+
+class FaultKind(enum.StrEnum):
+    TRAINER_EXITED = "trainer_exited"
+    TRAINER_HUNG = "trainer_hung"
+    HOST = "host"
+
+
+@dataclass(frozen=True)
+class FaultOutcome:
+    events: list[Event]
+    member_dead: bool
+    reason: str
+
+
+def validate_host_id(host_id: str, max_length: int) -> None:
+    if not host_id:
+        raise InvalidRequest("host_id is empty: give every host a stable, unique id")
+    if len(host_id) > max_length:
+        raise InvalidRequest(f"host_id is {len(host_id)} characters long; the limit is {max_length}")
+    if not _HOST_ID.match(host_id):
+        raise InvalidRequest(
+            f"host_id {host_id!r} has characters outside [A-Za-z0-9._:-] or does not start with a letter or digit"
+        )
+
+
+def _text(name: str, value: str) -> None:
+    if len(value) > _MAX_TEXT:
+        raise InvalidRequest(f"{name} is {len(value)} characters long; the limit is {_MAX_TEXT}")
+
+
+def _member(state: ClusterState, host_id: str, max_length: int) -> Member:
+    validate_host_id(host_id, max_length)
+    member = state.members.get(host_id)
+    if member is None:
+        raise NotFound(f"unknown host {host_id!r}: it never registered with this job")
+    return member
+
+
+def _current(state: ClusterState, host_id: str, incarnation: int, max_length: int) -> Member:
+    """The member, if ``incarnation`` is its current one; stale or future incarnations are refused."""
+    member = _member(state, host_id, max_length)
+    if incarnation < member.incarnation:
+        raise Rejected(
+            f"stale incarnation {incarnation} for {host_id}: the current one is {member.incarnation}; "
+            "this message is from an older run of the agent and is ignored"
+        )
+    if incarnation > member.incarnation:
+        raise Rejected(
+            f"incarnation {incarnation} for {host_id} was never issued (current {member.incarnation}): register first"
+        )
+    return member
+
+
+def _event(type_: EventType, now: float, state: ClusterState, member: Member, reason: str) -> Event:
+    return Event(
+        type_, now, state.epoch, reason, host_id=member.host_id, incarnation=member.incarnation, member=member
+    )
+
+
+def register(
+    now: float,
+    state: ClusterState,
+    host_id: str,
+    role: Role,
+    device_count: int,
+    address: str,
+    max_length: int = 128,
+) -> tuple[list[Event], Member]:
+    validate_host_id(host_id, max_length)
+    if not 0 <= device_count <= _MAX_DEVICES:
+        raise InvalidRequest(f"device_count {device_count} is outside 0..{_MAX_DEVICES}")
+    _text("address", address)
+    if state.halted:
+        raise Rejected(f"the job is halted ({state.topology.reason if state.topology else ''}): start a new job")
+    old = state.members.get(host_id)
+    incarnation = old.incarnation + 1 if old else 1
+    in_topology = state.topology is not None and host_id in state.topology.host_ids
+    if old is not None and in_topology and old.state.is_up:
+        # The same host came back before anyone judged it (a coordinator restart, a reconnect): it
+        # keeps its rank, so the epoch does not change.
+        member = replace(
+            old,
+            incarnation=incarnation,
+            state=MemberState.JOINING,
+            device_count=device_count,
+            address=address,
+            reason=f"re-registered with incarnation {incarnation}; keeps rank {old.rank}",
+            updated_at=now,
+        )
+        return [_event(EventType.MEMBER_REJOINED, now, state, member, member.reason)], member
+    # Once the job has formed every newcomer waits as a spare until the planner places it.
+    new_role = role if state.topology is None else Role.SPARE
+    reason = (
+        f"registered as {new_role.value} with incarnation {incarnation}"
+        if old is None
+        else f"rejoined as {new_role.value} with incarnation {incarnation} (was {old.state.value}: {old.reason})"
+    )
+    member = Member(
+        host_id=host_id,
+        incarnation=incarnation,
+        role=new_role,
+        state=MemberState.JOINING,
+        device_count=device_count,
+        address=address,
+        rank=-1,
+        reason=reason,
+        updated_at=now,
+    )
+    type_ = EventType.MEMBER_JOINED if old is None else EventType.MEMBER_REJOINED
+    return [_event(type_, now, state, member, reason)], member
+
+
+def heartbeat(
+    now: float, state: ClusterState, host_id: str, incarnation: int, max_length: int = 128
+) -> list[Event]:
+    """A heartbeat of the current incarnation: joining or suspect members become alive."""
+    member = _current(state, host_id, incarnation, max_length)
+    if member.state in (MemberState.DEAD, MemberState.LEFT):
+        raise Rejected(f"{host_id} incarnation {incarnation} is {member.state.value} ({member.reason}): register again")
+    if member.state in (MemberState.ALIVE, MemberState.DRAINING):
+        return []
+    reason = "first heartbeat" if member.state is MemberState.JOINING else "heartbeat refuted the suspicion"
+    alive = replace(member, state=MemberState.ALIVE, reason=reason, updated_at=now)
+    return [_event(EventType.MEMBER_ALIVE, now, state, alive, reason)]
+
+
+def declare(now: float, state: ClusterState, host_id: str, incarnation: int, new: MemberState, reason: str) -> list[Event]:
+    """A detector verdict (suspect or dead). Re-checks that the verdict still applies."""
+    member = state.members.get(host_id)
+    if member is None or member.incarnation != incarnation or member.state is new:
+        return []
+    if not (member.state.is_up or member.state is MemberState.DRAINING):
+        return []
+    if new is MemberState.SUSPECT and member.state is not MemberState.ALIVE:
+        return []
+    type_ = EventType.MEMBER_DEAD if new is MemberState.DEAD else EventType.MEMBER_SUSPECT
+    updated = replace(member, state=new, reason=reason, updated_at=now)
+    return [_event(type_, now, state, updated, reason)]
+
+
+def leave(
+    now: float, state: ClusterState, host_id: str, incarnation: int, reason: str, max_length: int = 128
+) -> list[Event]:
+    member = _current(state, host_id, incarnation, max_length)
+    _text("reason", reason)
+    if member.state in (MemberState.LEFT, MemberState.DEAD):
+        return []
+    why = f"left: {reason or 'no reason given'}"
+    left = replace(member, state=MemberState.LEFT, reason=why, updated_at=now)
+    return [_event(EventType.MEMBER_LEFT, now, state, left, why)]
+
+
+def drain(now: float, state: ClusterState, host_id: str, reason: str, max_length: int = 128) -> list[Event]:
+    member = _member(state, host_id, max_length)
+    _text("reason", reason)
+    if member.state is MemberState.DRAINING:
+        return []
+    if not member.state.is_up:
+        raise Rejected(f"{host_id} is {member.state.value}: only a live member can be drained")
+    why = f"drained by an operator: {reason or 'no reason given'}"
+    draining = replace(member, state=MemberState.DRAINING, reason=why, updated_at=now)
+    return [_event(EventType.MEMBER_DRAINING, now, state, draining, why)]
+
+
+def report_fault(
+    now: float,
+    state: ClusterState,
+    host_id: str,
+    incarnation: int,
+    kind: FaultKind,
+    epoch: int,
+    exit_code: int,
+    detail: str,
+    max_length: int = 128,
+) -> FaultOutcome:
+    """Charge a trainer fault to its host (dead, replaced) unless it was collateral damage.
+
+    A trainer that dies because a peer died (its collective broke, or the JAX runtime aborted when
+    rank 0 went away) is not at fault: its host stays, and its agent restarts it on the new epoch.
+    That is the case when the trainer ran an older epoch, or another member of the same epoch is
+    already failing.
+    """
+    member = _current(state, host_id, incarnation, max_length)
+    _text("detail", detail)
+    if epoch < 0:
+        raise InvalidRequest(f"epoch {epoch} is negative")
+    if epoch > state.epoch:
+        raise InvalidRequest(f"epoch {epoch} was never published (current {state.epoch})")
+    details = {"kind": kind.value, "epoch": str(epoch), "exit_code": str(exit_code), "detail": detail}
+    topology = state.topology
+    in_topology = topology is not None and host_id in topology.host_ids
+    failing = (
+        [h for h in topology.host_ids if h != host_id and state.members[h].state is not MemberState.ALIVE]
+        if topology is not None and in_topology
+        else []
+    )
+    if not member.state.is_up:
+        reason = f"{kind.value} reported for {host_id}, which is already {member.state.value}"
+        dead = False
+    elif in_topology and topology is not None and epoch < topology.epoch:
+        reason = f"collateral: the trainer ran epoch {epoch}, the topology moved on to {topology.epoch}"
+        dead = False
+    elif failing:
+        reason = f"collateral: {', '.join(failing)} failing in the same epoch"
+        dead = False
+    else:
+        reason = f"{kind.value}: {detail or f'exit code {exit_code}'}"
+        dead = True
+    reported = Event(
+        EventType.FAULT_REPORTED,
+        now,
+        state.epoch,
+        reason,
+        host_id=host_id,
+        incarnation=incarnation,
+        details=details,
+    )
+    events = [reported]
+    if dead:
+        events += declare(now, state, host_id, incarnation, MemberState.DEAD, reason)
+    return FaultOutcome(events, dead, reason)
+
+
+def ack_epoch(
+    now: float,
+    state: ClusterState,
+    host_id: str,
+    incarnation: int,
+    epoch: int,
+    restored_step: int,
+    restore_source: str,
+    phases: Mapping[str, float],
+    max_length: int = 128,
+) -> tuple[list[Event], bool]:
+    """A trainer runs ``epoch``; once all members of the epoch acknowledged it, the epoch is live."""
+    _current(state, host_id, incarnation, max_length)
+    _text("restore_source", restore_source)
+    topology = state.topology
+    if topology is None or topology.halted:
+        raise Rejected("there is no running topology to acknowledge")
+    if epoch != topology.epoch:
+        raise Rejected(f"stale epoch {epoch}: the current epoch is {topology.epoch}; acknowledge that one")
+    if host_id not in topology.host_ids:
+        raise Rejected(f"{host_id} is not a member of epoch {epoch}")
+    if state.acks.get(host_id) == epoch:
+        return [], state.live_epoch >= epoch
+    details = {
+        "restored_step": str(restored_step),
+        "restore_source": restore_source,
+        "phases": json.dumps(dict(phases), sort_keys=True),
+    }
+    events = [
+        Event(
+            EventType.EPOCH_ACKED,
+            now,
+            epoch,
+            f"{host_id} runs epoch {epoch}, restored step {restored_step} from {restore_source or 'unknown'}",
+            host_id=host_id,
+            incarnation=incarnation,
+            details=details,
+        )
+    ]
+    acked = {*(h for h, e in state.acks.items() if e == epoch), host_id}
+    live = acked >= set(topology.host_ids)
+    if live:
+        events.append(Event(EventType.EPOCH_LIVE, now, epoch, f"all {topology.world_size} members run epoch {epoch}"))
+    return events, live

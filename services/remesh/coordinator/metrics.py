@@ -1,0 +1,44 @@
+"""Prometheus metrics of one coordinator, on a registry of its own (several can run in one process)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from remesh.coordinator.model import MemberState
+
+__all__ = ["Metrics"]
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.members = Gauge(
+            "remesh_members", "Members by state", ["state"], registry=self.registry
+        )
+        self.epoch = Gauge("remesh_epoch", "Current topology epoch", registry=self.registry)
+        self.world_size = Gauge("remesh_world_size", "Members in the current topology", registry=self.registry)
+        self.detection = Histogram(
+            "remesh_detection_latency_seconds",
+            "From the first failure signal (stream break, last heartbeat, fault report) to the member declared dead",
+            buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0, 30.0),
+            registry=self.registry,
+        )
+        self.heartbeats = Counter("remesh_heartbeats", "Heartbeats received", registry=self.registry)
+        self.epochs_published = Counter(
+            "remesh_epochs_published", "Topology epochs published", registry=self.registry
+        )
+        self.events = Counter("remesh_events", "Events appended to the log", ["type"], registry=self.registry)
+        self.store_errors = Counter(
+            "remesh_store_errors", "Redis operations that failed (store unreachable)", registry=self.registry
+        )
+
+    def set_members(self, counts: Mapping[MemberState, int]) -> None:
+        for state in MemberState:
+            self.members.labels(state=state.value).set(counts.get(state, 0))
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> int:
+        """Serve /metrics on ``port`` (0: a free one) in a thread; returns the port bound."""
+        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
+        return int(server.server_port)

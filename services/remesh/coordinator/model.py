@@ -1,0 +1,220 @@
+"""The coordinator's domain model: members, topologies, events, and the pure fold that replays them.
+
+Everything here is plain immutable data. The event log is the source of truth: ``apply(state, event)``
+is pure, and ``replay(events)`` is a fold over the log that must equal what the store holds. Member and
+topology events carry the full new record, so the fold needs no other input.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+__all__ = [
+    "ClusterState",
+    "Event",
+    "EventType",
+    "Member",
+    "MemberState",
+    "Role",
+    "Topology",
+    "TopologyMember",
+    "apply",
+    "replay",
+]
+
+
+class Role(enum.StrEnum):
+    ACTIVE = "active"
+    SPARE = "spare"
+
+
+class MemberState(enum.StrEnum):
+    JOINING = "joining"
+    ALIVE = "alive"
+    SUSPECT = "suspect"
+    DEAD = "dead"
+    LEFT = "left"
+    DRAINING = "draining"
+
+    @property
+    def is_up(self) -> bool:
+        """Whether the member still counts as present (it may hold its rank)."""
+        return self in (MemberState.JOINING, MemberState.ALIVE, MemberState.SUSPECT)
+
+
+class EventType(enum.StrEnum):
+    MEMBER_JOINED = "member_joined"
+    MEMBER_REJOINED = "member_rejoined"
+    MEMBER_ALIVE = "member_alive"
+    MEMBER_SUSPECT = "member_suspect"
+    MEMBER_DEAD = "member_dead"
+    MEMBER_LEFT = "member_left"
+    MEMBER_DRAINING = "member_draining"
+    MEMBER_ASSIGNED = "member_assigned"
+    FAULT_REPORTED = "fault_reported"
+    TOPOLOGY_CHANGED = "topology_changed"
+    EPOCH_ACKED = "epoch_acked"
+    EPOCH_LIVE = "epoch_live"
+    JOB_WAITING = "job_waiting"
+    JOB_HALTED = "job_halted"
+
+
+@dataclass(frozen=True)
+class Member:
+    host_id: str
+    incarnation: int
+    role: Role
+    state: MemberState
+    device_count: int = 0
+    address: str = ""
+    rank: int = -1
+    reason: str = ""
+    updated_at: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Member:
+        return cls(**{**d, "role": Role(d["role"]), "state": MemberState(d["state"])})
+
+
+@dataclass(frozen=True)
+class TopologyMember:
+    host_id: str
+    rank: int
+    device_count: int
+    address: str
+
+
+@dataclass(frozen=True)
+class Topology:
+    epoch: int
+    members: tuple[TopologyMember, ...]
+    mesh_shape: tuple[int, ...]
+    jax_coordinator_address: str
+    restore_step: int
+    reason: str
+    created_at: float
+    halted: bool = False
+    job_id: str = ""
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    @property
+    def host_ids(self) -> tuple[str, ...]:
+        return tuple(m.host_id for m in self.members)
+
+    def rank_of(self, host_id: str) -> int:
+        for m in self.members:
+            if m.host_id == host_id:
+                return m.rank
+        return -1
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Topology:
+        return cls(
+            **{
+                **d,
+                "members": tuple(TopologyMember(**m) for m in d["members"]),
+                "mesh_shape": tuple(d["mesh_shape"]),
+            }
+        )
+
+
+@dataclass(frozen=True)
+class Event:
+    """One immutable change. ``epoch`` is the epoch current after the event."""
+
+    type: EventType
+    time: float
+    epoch: int
+    reason: str
+    host_id: str = ""
+    incarnation: int = 0
+    member: Member | None = None
+    topology: Topology | None = None
+    details: Mapping[str, str] = field(default_factory=dict)
+    # Stream id once stored; empty before.
+    id: str = ""
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        del d["id"]
+        d["details"] = dict(self.details)
+        return json.dumps(d, separators=(",", ":"), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, raw: str | bytes, event_id: str = "") -> Event:
+        d = json.loads(raw)
+        return cls(
+            type=EventType(d["type"]),
+            time=d["time"],
+            epoch=d["epoch"],
+            reason=d["reason"],
+            host_id=d["host_id"],
+            incarnation=d["incarnation"],
+            member=Member.from_dict(d["member"]) if d["member"] else None,
+            topology=Topology.from_dict(d["topology"]) if d["topology"] else None,
+            details=d["details"],
+            id=event_id,
+        )
+
+
+@dataclass(frozen=True)
+class ClusterState:
+    """Everything the store holds for one job, and everything the event log rebuilds."""
+
+    members: Mapping[str, Member] = field(default_factory=dict)
+    topology: Topology | None = None
+    # Set while the planner waits for enough hosts (JOB_WAITING), cleared by the next topology.
+    waiting_since: float | None = None
+    # Highest epoch every member acknowledged.
+    live_epoch: int = 0
+    # host_id -> epoch it acknowledged, for the members of the current epoch.
+    acks: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def epoch(self) -> int:
+        return self.topology.epoch if self.topology else 0
+
+    @property
+    def halted(self) -> bool:
+        return bool(self.topology and self.topology.halted)
+
+
+def apply(state: ClusterState, event: Event) -> ClusterState:
+    """Fold one event into the state. Pure: the same inputs always give the same output."""
+    members = state.members
+    if event.member is not None:
+        members = {**members, event.member.host_id: event.member}
+    if event.type is EventType.TOPOLOGY_CHANGED:
+        if event.topology is None:  # pragma: no cover - guarded by the transitions
+            raise ValueError("topology_changed event without a topology")
+        return replace(state, members=members, topology=event.topology, waiting_since=None, acks={})
+    if event.type is EventType.JOB_HALTED:
+        return replace(state, members=members, topology=event.topology, waiting_since=None, acks={})
+    if event.type is EventType.JOB_WAITING:
+        return replace(state, members=members, waiting_since=event.time)
+    if event.type is EventType.EPOCH_ACKED:
+        return replace(state, members=members, acks={**state.acks, event.host_id: event.epoch})
+    if event.type is EventType.EPOCH_LIVE:
+        return replace(state, members=members, live_epoch=event.epoch)
+    return replace(state, members=members)
+
+
+def replay(events: Iterable[Event], start: ClusterState | None = None) -> ClusterState:
+    """Rebuild the state from the event log (a fold of ``apply``)."""
+    state = start or ClusterState()
+    for event in events:
+        state = apply(state, event)
+    return state

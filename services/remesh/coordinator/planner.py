@@ -1,0 +1,220 @@
+"""The planner: from observed membership to the next topology, with a reason. Pure.
+
+``plan(now, state, steps, settings)`` looks at the current topology and the members' states and
+decides one of:
+
+- FORM     no topology yet and enough eligible hosts: the first epoch.
+- REPLACE  members of the topology are gone and enough spares are up: each spare takes a lost
+           member's rank, every survivor keeps its own (same world size, same mesh).
+- SHRINK   not enough spares: the largest valid world size from survivors and spares, survivors
+           first in their old order.
+- GROW     nothing lost, the job runs below its target size and spares are up.
+- WAIT     below the minimum size: wait (a JOB_WAITING event marks the start) up to a bound.
+- HALT     the wait ran out: a final, empty topology with the reason.
+- NONE     nothing to do.
+
+It reads no clock and does no I/O; ``plan_events`` turns a decision into the events to commit.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from remesh.coordinator.model import (
+    ClusterState,
+    Event,
+    EventType,
+    Member,
+    MemberState,
+    Role,
+    Topology,
+    TopologyMember,
+)
+from remesh.coordinator.settings import PlannerSettings
+
+__all__ = ["Decision", "Kind", "natural_key", "plan", "plan_events"]
+
+
+class Kind(enum.StrEnum):
+    NONE = "none"
+    FORM = "form"
+    REPLACE = "replace"
+    SHRINK = "shrink"
+    GROW = "grow"
+    WAIT = "wait"
+    HALT = "halt"
+
+
+@dataclass(frozen=True)
+class Decision:
+    kind: Kind
+    reason: str
+    # The new ordered active set (FORM, REPLACE, SHRINK, GROW).
+    hosts: tuple[str, ...] = ()
+    restore_step: int = -1
+    details: Mapping[str, str] = field(default_factory=dict)
+
+
+def natural_key(host_id: str) -> tuple[object, ...]:
+    """Sort ``host-2`` before ``host-10``."""
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", host_id))
+
+
+def _restore_step(survivors: Sequence[str], steps: Mapping[str, int], fallback: int) -> int:
+    """The newest step every survivor has completed: all of them hold a snapshot of it."""
+    known = [steps[h] for h in survivors if h in steps and steps[h] >= 0]
+    return min(known) if known else fallback
+
+
+def plan(now: float, state: ClusterState, steps: Mapping[str, int], settings: PlannerSettings) -> Decision:
+    topology = state.topology
+    if topology is not None and topology.halted:
+        return Decision(Kind.NONE, f"job halted: {topology.reason}")
+    up = sorted((m for m in state.members.values() if m.state is MemberState.ALIVE), key=lambda m: natural_key(m.host_id))
+
+    if topology is None:
+        eligible = [m.host_id for m in up if m.role is Role.ACTIVE]
+        if len(eligible) < settings.world_size:
+            return Decision(
+                Kind.NONE, f"forming: {len(eligible)} of {settings.world_size} hosts registered and alive"
+            )
+        hosts = tuple(eligible[: settings.world_size])
+        return Decision(Kind.FORM, f"formed with {len(hosts)} hosts", hosts=hosts, restore_step=-1)
+
+    current = topology.host_ids
+    lost = [h for h in current if not state.members[h].state.is_up]
+    survivors = [h for h in current if h not in lost]
+    spares = [m.host_id for m in up if m.host_id not in current]
+    restore = _restore_step(survivors, steps, topology.restore_step)
+
+    if not lost:
+        target = settings.largest_valid_size(len(current) + len(spares))
+        if target > len(current):
+            hosts = (*current, *spares[: target - len(current)])
+            added = ", ".join(hosts[len(current) :])
+            return Decision(Kind.GROW, f"grew from {len(current)} to {target} hosts: added {added}", hosts, restore)
+        return Decision(Kind.NONE, "topology healthy")
+
+    why_lost = "; ".join(f"{h} {state.members[h].state.value} ({state.members[h].reason})" for h in lost)
+    if len(spares) >= len(lost):
+        replacement = dict(zip(lost, spares, strict=False))
+        hosts = tuple(replacement.get(h, h) for h in current)
+        swaps = ", ".join(f"{s} takes rank {current.index(h)} of {h}" for h, s in replacement.items())
+        return Decision(Kind.REPLACE, f"{why_lost}: hot spare {swaps}", hosts, restore)
+
+    pool = [*survivors, *spares]
+    size = settings.largest_valid_size(len(pool))
+    if size >= max(1, settings.min_world_size):
+        hosts = tuple(pool[:size])
+        return Decision(
+            Kind.SHRINK,
+            f"{why_lost}: {len(spares)} spare(s) for {len(lost)} lost; shrank from {len(current)} to {size} hosts",
+            hosts,
+            restore,
+        )
+
+    if state.waiting_since is None:
+        return Decision(
+            Kind.WAIT,
+            f"{why_lost}: {len(pool)} host(s) up, minimum is {settings.min_world_size}; "
+            f"waiting up to {settings.max_wait_s:g}s for a replacement",
+        )
+    waited = now - state.waiting_since
+    if waited >= settings.max_wait_s:
+        return Decision(
+            Kind.HALT,
+            f"halted: waited {waited:.1f}s for a replacement, only {len(pool)} host(s) up, "
+            f"minimum is {settings.min_world_size}",
+        )
+    return Decision(Kind.NONE, f"waiting for a replacement ({waited:.1f}s of {settings.max_wait_s:g}s)")
+
+
+def _topology(
+    now: float, state: ClusterState, decision: Decision, settings: PlannerSettings, job_id: str
+) -> Topology:
+    epoch = state.epoch + 1
+    members = tuple(
+        TopologyMember(
+            host_id=h,
+            rank=rank,
+            device_count=state.members[h].device_count,
+            address=state.members[h].address,
+        )
+        for rank, h in enumerate(decision.hosts)
+    )
+    port = settings.jax_port_base + epoch % settings.jax_port_span
+    devices = min(m.device_count for m in members) if members else 0
+    return Topology(
+        epoch=epoch,
+        members=members,
+        mesh_shape=(len(members), max(devices, 1)),
+        jax_coordinator_address=f"{members[0].address or '127.0.0.1'}:{port}",
+        restore_step=decision.restore_step,
+        reason=decision.reason,
+        created_at=now,
+        job_id=job_id,
+    )
+
+
+def plan_events(
+    now: float, state: ClusterState, decision: Decision, settings: PlannerSettings, job_id: str = ""
+) -> list[Event]:
+    """The events that carry out ``decision``: member rank/role updates, then the topology event."""
+    if decision.kind is Kind.NONE:
+        return []
+    if decision.kind is Kind.WAIT:
+        return [Event(EventType.JOB_WAITING, now, state.epoch, decision.reason, details=dict(decision.details))]
+
+    if decision.kind is Kind.HALT:
+        topology = Topology(
+            epoch=state.epoch + 1,
+            members=(),
+            mesh_shape=(),
+            jax_coordinator_address="",
+            restore_step=state.topology.restore_step if state.topology else -1,
+            reason=decision.reason,
+            created_at=now,
+            halted=True,
+            job_id=job_id,
+        )
+        hosts: tuple[str, ...] = ()
+        final_type = EventType.JOB_HALTED
+    else:
+        topology = _topology(now, state, decision, settings, job_id)
+        hosts = decision.hosts
+        final_type = EventType.TOPOLOGY_CHANGED
+
+    events: list[Event] = []
+    for member in sorted(state.members.values(), key=lambda m: natural_key(m.host_id)):
+        rank = hosts.index(member.host_id) if member.host_id in hosts else -1
+        role = Role.ACTIVE if rank >= 0 else (Role.SPARE if state.topology is not None else member.role)
+        if rank == member.rank and role is member.role:
+            continue
+        updated: Member = replace(member, rank=rank, role=role, updated_at=now)
+        what = f"rank {rank} in epoch {topology.epoch}" if rank >= 0 else f"not in epoch {topology.epoch}"
+        events.append(
+            Event(
+                EventType.MEMBER_ASSIGNED,
+                now,
+                state.epoch,
+                f"{what} ({decision.kind.value})",
+                host_id=member.host_id,
+                incarnation=member.incarnation,
+                member=updated,
+            )
+        )
+    events.append(
+        Event(
+            final_type,
+            now,
+            topology.epoch,
+            decision.reason,
+            topology=topology,
+            details={"decision": decision.kind.value, **decision.details},
+        )
+    )
+    return events
+

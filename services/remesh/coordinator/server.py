@@ -1,0 +1,308 @@
+"""The coordinator's gRPC adapter (grpc.aio): requests in, ``Coordinator`` calls, statuses out.
+
+Every ``CoordinatorError`` is turned into its gRPC status here and nowhere else. The standard health
+service and server reflection run beside the Coordinator service, so probes and generic clients
+(grpcurl, grpc_health_probe) work without the .proto files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from remesh.coordinator import convert
+from remesh.coordinator.errors import (
+    Conflict,
+    CoordinatorError,
+    InvalidRequest,
+    NotFound,
+    Rejected,
+    StoreUnavailable,
+)
+from remesh.coordinator.membership import FaultKind, validate_host_id
+from remesh.coordinator.model import Event, EventType
+from remesh.coordinator.service import Coordinator
+from remesh.coordinator.settings import Settings
+from remesh.coordinator.store import RedisStore
+from remesh.v1 import coordinator_pb2 as pb
+from remesh.v1 import coordinator_pb2_grpc as pb_grpc
+
+__all__ = ["RunningCoordinator", "serve"]
+
+log = structlog.get_logger("remesh.coordinator")
+
+T = TypeVar("T")
+
+_STATUS: list[tuple[type[CoordinatorError], grpc.StatusCode]] = [
+    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (NotFound, grpc.StatusCode.NOT_FOUND),
+    (Rejected, grpc.StatusCode.FAILED_PRECONDITION),
+    (StoreUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (Conflict, grpc.StatusCode.ABORTED),
+]
+_EVENT_ID = re.compile(r"^\d+(-\d+)?$")
+_FAULT = {
+    pb.FAULT_KIND_TRAINER_EXITED: FaultKind.TRAINER_EXITED,
+    pb.FAULT_KIND_TRAINER_HUNG: FaultKind.TRAINER_HUNG,
+    pb.FAULT_KIND_HOST: FaultKind.HOST,
+}
+
+
+def status_of(exc: CoordinatorError) -> grpc.StatusCode:
+    for cls, code in _STATUS:
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+async def _answer(context: grpc.aio.ServicerContext, call: Awaitable[T]) -> T:
+    try:
+        return await call
+    except CoordinatorError as exc:
+        await context.abort(status_of(exc), str(exc))
+        raise AssertionError("unreachable") from exc  # abort always raises
+
+
+def _matches(event: Event, hosts: set[str], types: set[EventType], since: float) -> bool:
+    if hosts and event.host_id not in hosts:
+        # A topology event concerns every host it names.
+        if not (event.topology and hosts & set(event.topology.host_ids)):
+            return False
+    return (not types or event.type in types) and event.time >= since
+
+
+class CoordinatorServicer(pb_grpc.CoordinatorServicer):
+    def __init__(self, coordinator: Coordinator) -> None:
+        self._c = coordinator
+
+    async def Register(self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext) -> pb.RegisterResponse:
+        member = await _answer(
+            context,
+            self._c.register(
+                request.host_id, convert.role_from_pb(request.role), request.device_count, request.address
+            ),
+        )
+        detector = self._c.settings.detector
+        return pb.RegisterResponse(
+            member=convert.member_to_pb(member, self._c.member_step(member.host_id)),
+            topology=convert.topology_to_pb(self._c.state.topology),
+            heartbeat_interval_s=detector.heartbeat_interval_s,
+            heartbeat_timeout_s=detector.heartbeat_timeout_s,
+        )
+
+    async def Heartbeat(
+        self, request_iterator: AsyncIterator[pb.HeartbeatRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.HeartbeatResponse]:
+        try:
+            first = await anext(aiter(request_iterator))
+        except StopAsyncIteration:
+            return
+        try:
+            await self._c.heartbeat(first.host_id, first.incarnation, first.step)
+        except (Rejected, NotFound) as exc:
+            yield pb.HeartbeatResponse(command=pb.COMMAND_REREGISTER, reason=str(exc))
+            return
+        except CoordinatorError as exc:
+            await context.abort(status_of(exc), str(exc))
+        stream = self._c.attach_stream(first.host_id, first.incarnation)
+        reader = asyncio.create_task(self._read(request_iterator, first))
+        topologies = aiter(self._c.watch_topology(self._c.state.epoch))
+        next_topology = asyncio.ensure_future(anext(topologies))
+        next_command = asyncio.ensure_future(stream.commands.get())
+        try:
+            yield pb.HeartbeatResponse(topology=convert.topology_to_pb(self._c.state.topology))
+            while True:
+                done, _ = await asyncio.wait(
+                    {next_topology, next_command, reader}, return_when=asyncio.FIRST_COMPLETED
+                )
+                if next_topology in done:
+                    yield pb.HeartbeatResponse(topology=convert.topology_to_pb(next_topology.result()))
+                    next_topology = asyncio.ensure_future(anext(topologies))
+                if next_command in done:
+                    command, reason = next_command.result()
+                    code = pb.COMMAND_REREGISTER if command == "reregister" else pb.COMMAND_DRAIN
+                    yield pb.HeartbeatResponse(command=code, reason=reason)
+                    if code == pb.COMMAND_REREGISTER:
+                        return
+                    next_command = asyncio.ensure_future(stream.commands.get())
+                if reader in done:
+                    exc = reader.exception()
+                    if isinstance(exc, Rejected | NotFound | InvalidRequest):
+                        yield pb.HeartbeatResponse(command=pb.COMMAND_REREGISTER, reason=str(exc))
+                    elif exc is not None and not isinstance(exc, asyncio.CancelledError):
+                        log.warning("heartbeat stream failed", host=first.host_id, error=repr(exc))
+                    return
+        finally:
+            for task in (reader, next_topology, next_command):
+                task.cancel()
+            with contextlib.suppress(BaseException):
+                await topologies.aclose()  # type: ignore[attr-defined]
+            self._c.detach_stream(stream)
+
+    async def _read(self, requests: AsyncIterator[pb.HeartbeatRequest], first: pb.HeartbeatRequest) -> None:
+        async for request in requests:
+            if (request.host_id, request.incarnation) != (first.host_id, first.incarnation):
+                raise InvalidRequest(
+                    f"a heartbeat stream belongs to {first.host_id} incarnation {first.incarnation}; "
+                    f"got {request.host_id} incarnation {request.incarnation}"
+                )
+            await self._c.heartbeat(request.host_id, request.incarnation, request.step)
+
+    async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
+        member = await _answer(context, self._c.leave(request.host_id, request.incarnation, request.reason))
+        return pb.LeaveResponse(member=convert.member_to_pb(member, self._c.member_step(member.host_id)))
+
+    async def GetTopology(self, request: pb.GetTopologyRequest, context: grpc.aio.ServicerContext) -> pb.Topology:
+        return convert.topology_to_pb(self._c.state.topology)
+
+    async def WatchTopology(
+        self, request: pb.WatchTopologyRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.Topology]:
+        if request.after_epoch < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"after_epoch {request.after_epoch} is negative")
+        async for topology in self._c.watch_topology(request.after_epoch):
+            yield convert.topology_to_pb(topology)
+
+    async def ListMembers(
+        self, request: pb.ListMembersRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListMembersResponse:
+        try:
+            states = {convert.member_state_from_pb(s) for s in request.states}
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        members = sorted(self._c.state.members.values(), key=lambda m: (m.rank < 0, m.rank, m.host_id))
+        return pb.ListMembersResponse(
+            members=[
+                convert.member_to_pb(m, self._c.member_step(m.host_id))
+                for m in members
+                if not states or m.state in states
+            ],
+            epoch=self._c.state.epoch,
+        )
+
+    async def GetMember(self, request: pb.GetMemberRequest, context: grpc.aio.ServicerContext) -> pb.Member:
+        async def get() -> pb.Member:
+            validate_host_id(request.host_id, self._c.settings.max_id_length)
+            member = self._c.state.members.get(request.host_id)
+            if member is None:
+                raise NotFound(f"unknown host {request.host_id!r}")
+            return convert.member_to_pb(member, self._c.member_step(member.host_id))
+
+        return await _answer(context, get())
+
+    async def ReplayEvents(
+        self, request: pb.ReplayEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.Event]:
+        try:
+            if request.after_id and not _EVENT_ID.match(request.after_id):
+                raise ValueError(f"after_id {request.after_id!r} is not an event id like 1733150000000-0")
+            if request.since < 0:
+                raise ValueError(f"since {request.since} is negative")
+            types = {convert.event_type_from_pb(t) for t in request.types}
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        hosts = set(request.host_ids)
+        store = self._c.store
+        try:
+            events = await store.read_events(request.after_id, request.since)
+            last = events[-1].id if events else (request.after_id or await store.last_event_id())
+        except StoreUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        for event in events:
+            if _matches(event, hosts, types, request.since):
+                yield convert.event_to_pb(event)
+        if not request.follow:
+            return
+        try:
+            async for batch in store.follow_events(last):
+                for event in batch:
+                    if _matches(event, hosts, types, request.since):
+                        yield convert.event_to_pb(event)
+        except StoreUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
+    async def AckEpoch(self, request: pb.AckEpochRequest, context: grpc.aio.ServicerContext) -> pb.AckEpochResponse:
+        live = await _answer(
+            context,
+            self._c.ack_epoch(
+                request.host_id,
+                request.incarnation,
+                request.epoch,
+                request.restored_step,
+                request.restore_source,
+                dict(request.phases),
+            ),
+        )
+        return pb.AckEpochResponse(live=live)
+
+    async def ReportFault(
+        self, request: pb.ReportFaultRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReportFaultResponse:
+        kind = _FAULT.get(request.kind)
+        if kind is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown fault kind {request.kind}")
+            raise AssertionError("unreachable")
+        outcome = await _answer(
+            context,
+            self._c.report_fault(
+                request.host_id, request.incarnation, kind, request.epoch, request.exit_code, request.detail
+            ),
+        )
+        return pb.ReportFaultResponse(member_dead=outcome.member_dead, reason=outcome.reason)
+
+    async def Drain(self, request: pb.DrainRequest, context: grpc.aio.ServicerContext) -> pb.DrainResponse:
+        member = await _answer(context, self._c.drain(request.host_id, request.reason))
+        return pb.DrainResponse(member=convert.member_to_pb(member, self._c.member_step(member.host_id)))
+
+
+@dataclass
+class RunningCoordinator:
+    coordinator: Coordinator
+    server: grpc.aio.Server
+    port: int
+    metrics_port: int | None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def stop(self, grace: float = 0.5) -> None:
+        await self.server.stop(grace)
+        await self.coordinator.stop()
+
+    async def wait(self) -> None:
+        await self.server.wait_for_termination()
+
+
+async def serve(settings: Settings) -> RunningCoordinator:
+    """Load the job's state from Redis and serve the Coordinator, health and reflection services."""
+    store = RedisStore(settings.redis_url, settings.job_id)
+    coordinator = Coordinator(settings, store)
+    await coordinator.start()
+    server = grpc.aio.server()
+    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(coordinator), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    service_name = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
+    reflection.enable_server_reflection(
+        (service_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+    port = server.add_insecure_port(settings.listen)
+    if port == 0:
+        await coordinator.stop()
+        raise OSError(f"cannot listen on {settings.listen}: the address is taken or invalid; pick another --listen")
+    await server.start()
+    for name in ("", service_name):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    metrics_port = coordinator.metrics.serve(settings.metrics_port) if settings.metrics_port is not None else None
+    log.info("coordinator serving", port=port, metrics_port=metrics_port, job=settings.job_id, redis=settings.redis_url)
+    return RunningCoordinator(coordinator, server, port, metrics_port)

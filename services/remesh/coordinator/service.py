@@ -1,0 +1,336 @@
+"""The coordinator engine: a thin asyncio shell around the pure core.
+
+It holds what must be fast in memory (liveness from heartbeats, open agent streams, topology
+watchers), and funnels every state change through ``_change``: observe the current state, run a pure
+transition and the planner, commit all events in one atomic Redis step, then publish. The gRPC layer
+(``server.py``) only translates requests into calls on this class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field, replace
+
+import structlog
+
+from remesh.coordinator import membership
+from remesh.coordinator.detector import Liveness, judge
+from remesh.coordinator.errors import Conflict, CoordinatorError, StoreUnavailable
+from remesh.coordinator.metrics import Metrics
+from remesh.coordinator.model import ClusterState, Event, EventType, Member, MemberState, Role, Topology, replay
+from remesh.coordinator.planner import Kind, plan, plan_events
+from remesh.coordinator.settings import Settings
+from remesh.coordinator.store import RedisStore
+
+__all__ = ["AgentStream", "Coordinator"]
+
+log = structlog.get_logger("remesh.coordinator")
+
+Clock = Callable[[], float]
+
+
+class _ChangeLogger:
+    """Logs a message only when it differs from the previous one (a loop must not spam its reason)."""
+
+    def __init__(self) -> None:
+        self._last: str | None = None
+
+    def __call__(self, message: str, **kw: object) -> None:
+        if message != self._last:
+            self._last = message
+            log.info(message, **kw)
+
+
+@dataclass
+class AgentStream:
+    """One open heartbeat stream: commands for the agent are queued here."""
+
+    host_id: str
+    incarnation: int
+    commands: asyncio.Queue[tuple[str, str]] = field(default_factory=asyncio.Queue)
+
+
+class Coordinator:
+    def __init__(self, settings: Settings, store: RedisStore, *, clock: Clock = time.time) -> None:
+        self.settings = settings
+        self.store = store
+        self.metrics = Metrics()
+        self._clock = clock
+        self._lock = asyncio.Lock()
+        self.state = ClusterState()
+        self._rev = 0
+        self._liveness: dict[str, Liveness] = {}
+        self._steps: dict[str, int] = {}
+        self._dirty_steps: dict[str, int] = {}
+        self._streams: dict[str, AgentStream] = {}
+        self._topology_changed = asyncio.Condition()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._store_down = False
+        self._plan_log = _ChangeLogger()
+        self._store_log = _ChangeLogger()
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.state, self._rev = await self.store.load()
+        self._steps = await self.store.read_progress()
+        self._grant_all(self._clock())
+        self._update_gauges()
+        log.info(
+            "coordinator state loaded",
+            job=self.settings.job_id,
+            epoch=self.state.epoch,
+            members=len(self.state.members),
+            rev=self._rev,
+        )
+        self._tasks = [
+            asyncio.create_task(self._detector_loop(), name="detector"),
+            asyncio.create_task(self._progress_loop(), name="progress"),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        with contextlib.suppress(StoreUnavailable):
+            await self._flush_progress()
+        await self.store.close()
+
+    def _grant_all(self, now: float) -> None:
+        """Give every present member a fresh deadline: nobody is judged on silence we did not watch."""
+        grace = self.settings.detector.failover_grace_s
+        self._liveness = {
+            m.host_id: Liveness(m.incarnation, last_seen=now, not_before=now + grace)
+            for m in self.state.members.values()
+            if m.state.is_up or m.state is MemberState.DRAINING
+        }
+
+    # ---- the one write path ----------------------------------------------------------------------
+
+    async def _change(self, transition: Callable[[ClusterState, float], list[Event]]) -> list[Event]:
+        """Run ``transition`` on the current state, plan, and commit the events in one atomic step."""
+        async with self._lock:
+            for attempt in range(3):
+                now = self._clock()
+                events = transition(self.state, now)
+                after = replay(events, self.state)
+                decision = plan(now, after, self._steps, self.settings.planner)
+                self._plan_log(
+                    "planner", decision=decision.kind.value, reason=decision.reason, epoch=after.epoch
+                )
+                events = events + plan_events(now, after, decision, self.settings.planner, self.settings.job_id)
+                if not events:
+                    return []
+                try:
+                    self.state, stored = await self.store.commit(self._rev, self.state, events)
+                except Conflict:
+                    # Someone else wrote first: observe again and re-plan from what is stored.
+                    log.warning("store changed under us; reloading", attempt=attempt)
+                    self.state, self._rev = await self.store.load()
+                    continue
+                except StoreUnavailable:
+                    self.metrics.store_errors.inc()
+                    raise
+                self._rev += 1
+                await self._published(stored, now)
+                return stored
+            raise Conflict("the store kept changing under the coordinator; retry")
+
+    async def _published(self, events: list[Event], now: float) -> None:
+        for event in events:
+            self.metrics.events.labels(type=event.type.value).inc()
+            log.info(
+                event.type.value,
+                host=event.host_id or None,
+                incarnation=event.incarnation or None,
+                epoch=event.epoch,
+                reason=event.reason,
+            )
+            member = event.member
+            if member is not None and member.state is MemberState.JOINING:
+                self._liveness[member.host_id] = Liveness(member.incarnation, last_seen=now)
+            if event.type is EventType.MEMBER_DEAD and member is not None:
+                seen = self._liveness.get(member.host_id)
+                signal = seen.stream_broken_at or seen.last_seen if seen else now
+                self.metrics.detection.observe(max(0.0, now - signal) if seen and seen.stream_broken_at else 0.0)
+            if member is not None and member.state in (MemberState.DEAD, MemberState.LEFT):
+                self._liveness.pop(member.host_id, None)
+                self._send(member.host_id, member.incarnation, "reregister", member.reason)
+            if member is not None and member.state is MemberState.DRAINING:
+                self._send(member.host_id, member.incarnation, "drain", member.reason)
+            if event.type in (EventType.TOPOLOGY_CHANGED, EventType.JOB_HALTED):
+                self.metrics.epochs_published.inc()
+        if any(e.type in (EventType.TOPOLOGY_CHANGED, EventType.JOB_HALTED) for e in events):
+            async with self._topology_changed:
+                self._topology_changed.notify_all()
+        self._update_gauges()
+
+    def _send(self, host_id: str, incarnation: int, command: str, reason: str) -> None:
+        stream = self._streams.get(host_id)
+        if stream is not None and stream.incarnation == incarnation:
+            stream.commands.put_nowait((command, reason))
+
+    def _update_gauges(self) -> None:
+        self.metrics.set_members(Counter(m.state for m in self.state.members.values()))
+        self.metrics.epoch.set(self.state.epoch)
+        self.metrics.world_size.set(self.state.topology.world_size if self.state.topology else 0)
+
+    # ---- detection -------------------------------------------------------------------------------
+
+    async def _detector_loop(self) -> None:
+        tick = self.settings.detector.tick_s
+        while True:
+            await asyncio.sleep(tick)
+            try:
+                await self.detect_once()
+            except StoreUnavailable as exc:
+                self._store_down = True
+                self._store_log("store unavailable; nobody is judged until it is back", error=str(exc))
+            except CoordinatorError as exc:
+                log.warning("detector step refused", error=str(exc))
+
+    async def detect_once(self) -> None:
+        if self._store_down:
+            await self.store.ping()
+            self._store_down = False
+            # Heartbeats may have gone unanswered while the store was down: start every clock afresh.
+            self._grant_all(self._clock())
+            self._store_log("store reachable again; every member granted a fresh deadline")
+        now = self._clock()
+        for verdict in judge(now, self.state, self._liveness, self.settings.detector):
+            await self._change(
+                lambda s, t, v=verdict: membership.declare(t, s, v.host_id, v.incarnation, v.state, v.reason)
+            )
+        if self.state.topology is None or self.state.waiting_since is not None:
+            # The planner's clock-driven decisions (waiting -> halted) need a nudge without an event.
+            decision = plan(now, self.state, self._steps, self.settings.planner)
+            if decision.kind is not Kind.NONE:
+                await self._change(lambda s, t: [])
+
+    async def _progress_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                await self._flush_progress()
+            except StoreUnavailable:
+                self.metrics.store_errors.inc()
+
+    async def _flush_progress(self) -> None:
+        dirty, self._dirty_steps = self._dirty_steps, {}
+        try:
+            await self.store.write_progress(dirty)
+        except StoreUnavailable:
+            self._dirty_steps = {**dirty, **self._dirty_steps}
+            raise
+
+    # ---- API used by the gRPC layer --------------------------------------------------------------
+
+    @property
+    def _max_id(self) -> int:
+        return self.settings.max_id_length
+
+    async def register(self, host_id: str, role: Role, device_count: int, address: str) -> Member:
+        result: list[Member] = []
+
+        def transition(s: ClusterState, now: float) -> list[Event]:
+            events, member = membership.register(now, s, host_id, role, device_count, address, self._max_id)
+            result[:] = [member]
+            return events
+
+        await self._change(transition)
+        return self.state.members.get(host_id, result[0])
+
+    async def heartbeat(self, host_id: str, incarnation: int, step: int) -> None:
+        """Hot path: in memory unless the member changes state (joining or suspect -> alive)."""
+        now = self._clock()
+        self.metrics.heartbeats.inc()
+        events = membership.heartbeat(now, self.state, host_id, incarnation, self._max_id)
+        seen = self._liveness.get(host_id)
+        if seen is not None and seen.incarnation == incarnation:
+            self._liveness[host_id] = replace(seen, last_seen=now)
+        else:
+            self._liveness[host_id] = Liveness(incarnation, last_seen=now)
+        if step >= 0 and self._steps.get(host_id) != step:
+            self._steps[host_id] = step
+            self._dirty_steps[host_id] = step
+        if events:
+            await self._change(lambda s, t: membership.heartbeat(t, s, host_id, incarnation, self._max_id))
+
+    def attach_stream(self, host_id: str, incarnation: int) -> AgentStream:
+        stream = AgentStream(host_id, incarnation)
+        self._streams[host_id] = stream
+        seen = self._liveness.get(host_id)
+        if seen is not None and seen.incarnation == incarnation:
+            self._liveness[host_id] = replace(seen, stream_broken_at=None)
+        return stream
+
+    def detach_stream(self, stream: AgentStream) -> None:
+        if self._streams.get(stream.host_id) is stream:
+            del self._streams[stream.host_id]
+        seen = self._liveness.get(stream.host_id)
+        if seen is not None and seen.incarnation == stream.incarnation and seen.stream_broken_at is None:
+            self._liveness[stream.host_id] = replace(seen, stream_broken_at=self._clock())
+
+    async def leave(self, host_id: str, incarnation: int, reason: str) -> Member:
+        await self._change(lambda s, t: membership.leave(t, s, host_id, incarnation, reason, self._max_id))
+        return self.state.members[host_id]
+
+    async def drain(self, host_id: str, reason: str) -> Member:
+        await self._change(lambda s, t: membership.drain(t, s, host_id, reason, self._max_id))
+        return self.state.members[host_id]
+
+    async def report_fault(
+        self, host_id: str, incarnation: int, kind: membership.FaultKind, epoch: int, exit_code: int, detail: str
+    ) -> membership.FaultOutcome:
+        outcome: list[membership.FaultOutcome] = []
+
+        def transition(s: ClusterState, now: float) -> list[Event]:
+            result = membership.report_fault(now, s, host_id, incarnation, kind, epoch, exit_code, detail, self._max_id)
+            outcome[:] = [result]
+            return result.events
+
+        await self._change(transition)
+        return outcome[0]
+
+    async def ack_epoch(
+        self,
+        host_id: str,
+        incarnation: int,
+        epoch: int,
+        restored_step: int,
+        restore_source: str,
+        phases: Mapping[str, float],
+    ) -> bool:
+        live: list[bool] = []
+
+        def transition(s: ClusterState, now: float) -> list[Event]:
+            events, is_live = membership.ack_epoch(
+                now, s, host_id, incarnation, epoch, restored_step, restore_source, phases, self._max_id
+            )
+            live[:] = [is_live]
+            return events
+
+        await self._change(transition)
+        return live[0]
+
+    def member_step(self, host_id: str) -> int:
+        return self._steps.get(host_id, -1)
+
+    async def watch_topology(self, after_epoch: int = 0) -> AsyncIterator[Topology]:
+        """The current topology (if newer than ``after_epoch``), then each new one."""
+        sent = after_epoch
+        while True:
+            async with self._topology_changed:
+                await self._topology_changed.wait_for(
+                    lambda: self.state.topology is not None and self.state.topology.epoch > sent
+                )
+                topology = self.state.topology
+            assert topology is not None
+            sent = topology.epoch
+            yield topology

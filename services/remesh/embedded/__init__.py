@@ -1,0 +1,5 @@
+"""Real servers started on this machine for the demo and the tests (never fakes)."""
+
+from remesh.embedded.redis_server import RedisServer, find_redis_server, free_port
+
+__all__ = ["RedisServer", "find_redis_server", "free_port"]

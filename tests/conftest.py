@@ -1,0 +1,39 @@
+"""Fixtures: a real redis-server per session (and private ones for tests that stop it), real processes."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from remesh.embedded import RedisServer
+from tests.procs import Cluster
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    with RedisServer(appendonly=False) as server:
+        yield server
+
+
+@pytest.fixture
+def private_redis() -> Iterator[RedisServer]:
+    """A Redis of this test's own, with AOF, so the test may stop and restart it."""
+    with RedisServer(appendonly=True) as server:
+        yield server
+
+
+@pytest.fixture
+def job_id() -> str:
+    return f"test-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, redis_server: RedisServer, job_id: str) -> Iterator[Cluster]:
+    c = Cluster(tmp_path, redis_server.url, job_id)
+    try:
+        yield c
+    finally:
+        c.close()

@@ -1,0 +1,41 @@
+"""A stand-in trainer for control-plane tests: no JAX, just the agent's local API.
+
+It reads its assignment from the environment the agent sets, acknowledges its epoch, then reports a
+step every STEP_S seconds; on a new epoch it acknowledges that one and carries on from the restore
+step. It exits 0 when the agent tells it its host left the topology.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import grpc
+
+from remesh.v1 import agent_pb2 as apb
+from remesh.v1 import agent_pb2_grpc as apb_grpc
+
+STEP_S = float(os.environ.get("STAND_IN_STEP_S", "0.05"))
+
+
+def main() -> int:
+    stub = apb_grpc.AgentLocalStub(grpc.insecure_channel(os.environ["REMESH_AGENT_ADDRESS"]))
+    epoch = int(os.environ["REMESH_EPOCH"])
+    step = max(int(os.environ.get("REMESH_RESTORE_STEP", "-1")), 0)
+    stub.AckEpoch(apb.LocalAckRequest(epoch=epoch, restored_step=step, restore_source="stand-in"), timeout=5)
+    while True:
+        time.sleep(STEP_S)
+        step += 1
+        reply = stub.ReportProgress(apb.ReportProgressRequest(step=step, epoch=epoch), timeout=5)
+        if reply.current_epoch > epoch:
+            assignment = next(iter(stub.WatchAssignments(apb.WatchAssignmentsRequest(after_epoch=epoch), timeout=5)))
+            if assignment.rank < 0:
+                return 0
+            epoch = assignment.topology.epoch
+            step = max(assignment.topology.restore_step, 0)
+            stub.AckEpoch(apb.LocalAckRequest(epoch=epoch, restored_step=step, restore_source="stand-in"), timeout=5)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
