@@ -15,11 +15,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import grpc
-
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
-
-STAND_IN_TRAINER = str(Path(__file__).parent / "stand_in_trainer.py")
 
 
 def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.02) -> object:
@@ -121,9 +118,16 @@ class Cluster:
         self.coordinator = proc
         return proc
 
-    def start_agent(self, host_id: str, *, spare: bool = False, trainer: Sequence[str] | None = None,
-                    extra: Sequence[str] = (), env: dict[str, str] | None = None) -> Proc:
-        trainer_cmd = list(trainer) if trainer is not None else [sys.executable, STAND_IN_TRAINER]
+    def start_agent(
+        self,
+        host_id: str,
+        *,
+        spare: bool = False,
+        trainer: Sequence[str] | None = None,
+        extra: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+    ) -> Proc:
+        trainer_cmd = list(trainer) if trainer is not None else [sys.executable, "-m", "remesh.agent.standin"]
         args = [
             sys.executable, "-m", "remesh.cli", "agent",
             "--coordinator", self.address, "--host-id", host_id, "--devices", "2",

@@ -1,9 +1,78 @@
-"""``remesh agent`` (placeholder, being written)."""
+"""``remesh agent``: the per-host daemon next to a trainer."""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import os
+import signal
 from typing import Any
+
+import structlog
+
+log = structlog.get_logger("remesh.cli")
 
 
 def add_parser(sub: Any) -> None:
-    return None
+    p: argparse.ArgumentParser = sub.add_parser(
+        "agent",
+        help="run the agent for one host, supervising its trainer",
+        description=(
+            "Register this host with the coordinator, keep its heartbeat stream, start the trainer when the "
+            "host is in the topology and restart or stop it as epochs change. Everything after -- is the "
+            "trainer command."
+        ),
+        usage="remesh agent --coordinator ADDR --host-id ID [options] -- TRAINER COMMAND...",
+    )
+    p.add_argument(
+        "--coordinator",
+        default=os.environ.get("REMESH_COORDINATOR", "127.0.0.1:50051"),
+        help="coordinator address host:port, or several separated by commas (env REMESH_COORDINATOR)",
+    )
+    p.add_argument("--host-id", default=os.environ.get("REMESH_HOST_ID"), help="this host's stable id")
+    p.add_argument("--spare", action="store_true", help="join as a hot spare")
+    p.add_argument("--devices", type=int, default=1, help="accelerator devices on this host")
+    p.add_argument("--address", default="127.0.0.1", help="address peers reach this host at")
+    p.add_argument(
+        "--job", default=os.environ.get("REMESH_JOB", "default"), help="job id, passed to the trainer"
+    )
+    p.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=120.0,
+        help="seconds without step progress before the trainer counts as hung (0: never)",
+    )
+    p.add_argument("--local-listen", default="127.0.0.1:0", help="address of the local API for the trainer")
+    p.add_argument("trainer", nargs=argparse.REMAINDER, help="-- followed by the trainer command")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from remesh.agent import Agent, AgentSettings
+
+    command = args.trainer[1:] if args.trainer[:1] == ["--"] else args.trainer
+    if not args.host_id:
+        log.error("no host id", hint="pass --host-id ID (or set REMESH_HOST_ID)")
+        return 2
+    if not command:
+        log.error("no trainer command", hint="append -- followed by the command that runs the trainer")
+        return 2
+    settings = AgentSettings(
+        coordinators=tuple(a.strip() for a in args.coordinator.split(",") if a.strip()),
+        host_id=args.host_id,
+        trainer_command=tuple(command),
+        spare=args.spare,
+        device_count=args.devices,
+        address=args.address,
+        job_id=args.job,
+        local_listen=args.local_listen,
+        hang_timeout_s=args.hang_timeout,
+    )
+    return asyncio.run(_main(Agent(settings)))
+
+
+async def _main(agent: Any) -> int:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, agent.request_shutdown, sig.name)
+    return int(await agent.run())

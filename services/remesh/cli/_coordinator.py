@@ -6,10 +6,10 @@ import argparse
 import asyncio
 import os
 import signal
+from pathlib import Path
 from typing import Any
 
 import structlog
-
 from remesh.coordinator import DetectorSettings, PlannerSettings, Settings, serve
 from remesh.coordinator.errors import StoreUnavailable
 
@@ -33,8 +33,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--preset", choices=["local", "production"], default="local", help="detector timings")
     p.add_argument("--world-size", type=int, default=4, help="hosts the job forms with and grows back to")
     p.add_argument("--min-world-size", type=int, default=1, help="never shrink below this; wait instead")
-    p.add_argument("--must-divide", type=int, default=0, help="a world size must divide this (e.g. global batch)")
-    p.add_argument("--max-wait", type=float, default=30.0, help="seconds to wait below the minimum before halting")
+    p.add_argument(
+        "--must-divide", type=int, default=0, help="a world size must divide this (e.g. global batch)"
+    )
+    p.add_argument(
+        "--max-wait", type=float, default=30.0, help="seconds to wait below the minimum before halting"
+    )
     p.add_argument("--heartbeat-interval", type=float, help="override the preset's heartbeat interval (s)")
     p.add_argument("--heartbeat-timeout", type=float, help="override the preset's heartbeat timeout (s)")
     p.add_argument("--port-file", help="write the bound gRPC port to this file once serving")
@@ -72,8 +76,12 @@ def settings_from_args(args: argparse.Namespace, redis_url: str) -> Settings:
 
 def run(args: argparse.Namespace) -> int:
     if args.world_size < 1 or args.min_world_size > args.world_size:
-        log.error("invalid sizes", world_size=args.world_size, min_world_size=args.min_world_size,
-                  hint="--world-size must be >= 1 and >= --min-world-size")
+        log.error(
+            "invalid sizes",
+            world_size=args.world_size,
+            min_world_size=args.min_world_size,
+            hint="--world-size must be >= 1 and >= --min-world-size",
+        )
         return 2
     embedded = None
     redis_url = args.redis
@@ -100,10 +108,7 @@ async def _serve(settings: Settings, port_file: str | None) -> int:
         log.error("cannot start", error=str(exc))
         return 2
     if port_file:
-        tmp = f"{port_file}.tmp"
-        with open(tmp, "w") as f:
-            f.write(str(running.port))
-        os.replace(tmp, port_file)
+        _write_port_file(port_file, running.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -112,3 +117,10 @@ async def _serve(settings: Settings, port_file: str | None) -> int:
     log.info("coordinator stopping")
     await running.stop()
     return 0
+
+
+def _write_port_file(path: str, port: int) -> None:
+    # Written atomically: a launcher polling for the file never reads half a number.
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(str(port))
+    tmp.replace(path)

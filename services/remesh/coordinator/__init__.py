@@ -9,7 +9,16 @@ Layers, inner to outer (an inner one never imports an outer one):
 - ``convert``, ``server``: the gRPC adapter.
 """
 
-from remesh.coordinator.model import ClusterState, Event, EventType, Member, MemberState, Role, Topology, replay
+from remesh.coordinator.model import (
+    ClusterState,
+    Event,
+    EventType,
+    Member,
+    MemberState,
+    Role,
+    Topology,
+    replay,
+)
 from remesh.coordinator.server import RunningCoordinator, serve
 from remesh.coordinator.settings import DetectorSettings, PlannerSettings, Settings
 

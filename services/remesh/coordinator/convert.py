@@ -6,8 +6,10 @@ from remesh.coordinator.model import Event, EventType, Member, MemberState, Role
 from remesh.v1 import coordinator_pb2 as pb
 
 __all__ = [
+    "event_from_pb",
     "event_to_pb",
     "event_type_from_pb",
+    "member_from_pb",
     "member_state_from_pb",
     "member_to_pb",
     "role_from_pb",
@@ -24,9 +26,10 @@ _STATE = {
     MemberState.LEFT: pb.MEMBER_STATE_LEFT,
     MemberState.DRAINING: pb.MEMBER_STATE_DRAINING,
 }
-_STATE_BACK = {v: k for k, v in _STATE.items()}
+_ROLE_BACK = {v: k for k, v in _ROLE.items()}
+_STATE_BACK: dict[int, MemberState] = {v: k for k, v in _STATE.items()}
 _EVENT = {t: getattr(pb, f"EVENT_TYPE_{t.name}") for t in EventType}
-_EVENT_BACK = {v: k for k, v in _EVENT.items()}
+_EVENT_BACK: dict[int, EventType] = {v: k for k, v in _EVENT.items()}
 
 
 def role_from_pb(value: int) -> Role:
@@ -46,6 +49,25 @@ def event_type_from_pb(value: int) -> EventType:
         return _EVENT_BACK[value]
     except KeyError:
         raise ValueError(f"unknown event type {value}") from None
+
+
+def member_from_pb(msg: pb.Member) -> Member:
+    """The stored member a message describes (its ``last_step`` is progress, not member state)."""
+    try:
+        role = _ROLE_BACK[msg.role]
+    except KeyError:
+        raise ValueError(f"unknown role {msg.role}") from None
+    return Member(
+        host_id=msg.host_id,
+        incarnation=msg.incarnation,
+        role=role,
+        state=member_state_from_pb(msg.state),
+        device_count=msg.device_count,
+        address=msg.address,
+        rank=msg.rank,
+        reason=msg.reason,
+        updated_at=msg.updated_at,
+    )
 
 
 def member_to_pb(member: Member, last_step: int = -1) -> pb.Member:
@@ -117,3 +139,19 @@ def event_to_pb(event: Event) -> pb.Event:
     if event.topology is not None:
         msg.topology.CopyFrom(topology_to_pb(event.topology))
     return msg
+
+
+def event_from_pb(msg: pb.Event) -> Event:
+    """The inverse of ``event_to_pb``: the record replay folds, exactly as the store holds it."""
+    return Event(
+        type=event_type_from_pb(msg.type),
+        time=msg.time,
+        epoch=msg.epoch,
+        reason=msg.reason,
+        host_id=msg.host_id,
+        incarnation=msg.incarnation,
+        member=member_from_pb(msg.member) if msg.HasField("member") else None,
+        topology=topology_from_pb(msg.topology) if msg.HasField("topology") else None,
+        details=dict(msg.details),
+        id=msg.id,
+    )

@@ -42,7 +42,9 @@ class Verdict:
     silence_s: float
 
 
-def judge(now: float, state: ClusterState, liveness: Mapping[str, Liveness], settings: DetectorSettings) -> list[Verdict]:
+def judge(
+    now: float, state: ClusterState, liveness: Mapping[str, Liveness], settings: DetectorSettings
+) -> list[Verdict]:
     verdicts: list[Verdict] = []
     for member in state.members.values():
         if not (member.state.is_up or member.state is MemberState.DRAINING):
@@ -72,7 +74,9 @@ def judge(now: float, state: ClusterState, liveness: Mapping[str, Liveness], set
                     silence,
                 )
             )
-        elif member.state is MemberState.ALIVE and (broken is not None or silence >= settings.suspect_after_s):
+        elif member.state is MemberState.ALIVE and (
+            broken is not None or silence >= settings.suspect_after_s
+        ):
             why = "heartbeat stream broke" if broken is not None else f"no heartbeat for {silence:.2f}s"
             verdicts.append(Verdict(member.host_id, member.incarnation, MemberState.SUSPECT, why, silence))
     return verdicts

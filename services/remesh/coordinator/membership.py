@@ -36,7 +36,8 @@ __all__ = [
     "validate_host_id",
 ]
 
-_HOST_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
+# fullmatch, not match with "$": "$" also matches before a trailing newline.
+_HOST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
 _MAX_DEVICES = 65536
 _MAX_TEXT = 1024
 
@@ -59,7 +60,7 @@ def validate_host_id(host_id: str, max_length: int) -> None:
         raise InvalidRequest("host_id is empty: give every host a stable, unique id")
     if len(host_id) > max_length:
         raise InvalidRequest(f"host_id is {len(host_id)} characters long; the limit is {max_length}")
-    if not _HOST_ID.match(host_id):
+    if not _HOST_ID.fullmatch(host_id):
         raise InvalidRequest(
             f"host_id {host_id!r} has characters outside [A-Za-z0-9._:-] or does not start with a letter or digit"
         )
@@ -113,7 +114,9 @@ def register(
         raise InvalidRequest(f"device_count {device_count} is outside 0..{_MAX_DEVICES}")
     _text("address", address)
     if state.halted:
-        raise Rejected(f"the job is halted ({state.topology.reason if state.topology else ''}): start a new job")
+        raise Rejected(
+            f"the job is halted ({state.topology.reason if state.topology else ''}): start a new job"
+        )
     old = state.members.get(host_id)
     incarnation = old.incarnation + 1 if old else 1
     in_topology = state.topology is not None and host_id in state.topology.host_ids
@@ -158,7 +161,9 @@ def heartbeat(
     """A heartbeat of the current incarnation: joining or suspect members become alive."""
     member = _current(state, host_id, incarnation, max_length)
     if member.state in (MemberState.DEAD, MemberState.LEFT):
-        raise Rejected(f"{host_id} incarnation {incarnation} is {member.state.value} ({member.reason}): register again")
+        raise Rejected(
+            f"{host_id} incarnation {incarnation} is {member.state.value} ({member.reason}): register again"
+        )
     if member.state in (MemberState.ALIVE, MemberState.DRAINING):
         return []
     reason = "first heartbeat" if member.state is MemberState.JOINING else "heartbeat refuted the suspicion"
@@ -166,7 +171,9 @@ def heartbeat(
     return [_event(EventType.MEMBER_ALIVE, now, state, alive, reason)]
 
 
-def declare(now: float, state: ClusterState, host_id: str, incarnation: int, new: MemberState, reason: str) -> list[Event]:
+def declare(
+    now: float, state: ClusterState, host_id: str, incarnation: int, new: MemberState, reason: str
+) -> list[Event]:
     """A detector verdict (suspect or dead). Re-checks that the verdict still applies."""
     member = state.members.get(host_id)
     if member is None or member.incarnation != incarnation or member.state is new:
@@ -305,5 +312,7 @@ def ack_epoch(
     acked = {*(h for h, e in state.acks.items() if e == epoch), host_id}
     live = acked >= set(topology.host_ids)
     if live:
-        events.append(Event(EventType.EPOCH_LIVE, now, epoch, f"all {topology.world_size} members run epoch {epoch}"))
+        events.append(
+            Event(EventType.EPOCH_LIVE, now, epoch, f"all {topology.world_size} members run epoch {epoch}")
+        )
     return events, live

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-
 from remesh.coordinator.model import MemberState
 
 __all__ = ["Metrics"]
@@ -14,11 +13,11 @@ __all__ = ["Metrics"]
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.members = Gauge(
-            "remesh_members", "Members by state", ["state"], registry=self.registry
-        )
+        self.members = Gauge("remesh_members", "Members by state", ["state"], registry=self.registry)
         self.epoch = Gauge("remesh_epoch", "Current topology epoch", registry=self.registry)
-        self.world_size = Gauge("remesh_world_size", "Members in the current topology", registry=self.registry)
+        self.world_size = Gauge(
+            "remesh_world_size", "Members in the current topology", registry=self.registry
+        )
         self.detection = Histogram(
             "remesh_detection_latency_seconds",
             "From the first failure signal (stream break, last heartbeat, fault report) to the member declared dead",

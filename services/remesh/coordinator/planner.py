@@ -73,7 +73,10 @@ def plan(now: float, state: ClusterState, steps: Mapping[str, int], settings: Pl
     topology = state.topology
     if topology is not None and topology.halted:
         return Decision(Kind.NONE, f"job halted: {topology.reason}")
-    up = sorted((m for m in state.members.values() if m.state is MemberState.ALIVE), key=lambda m: natural_key(m.host_id))
+    up = sorted(
+        (m for m in state.members.values() if m.state is MemberState.ALIVE),
+        key=lambda m: natural_key(m.host_id),
+    )
 
     if topology is None:
         eligible = [m.host_id for m in up if m.role is Role.ACTIVE]
@@ -85,9 +88,11 @@ def plan(now: float, state: ClusterState, steps: Mapping[str, int], settings: Pl
         return Decision(Kind.FORM, f"formed with {len(hosts)} hosts", hosts=hosts, restore_step=-1)
 
     current = topology.host_ids
-    lost = [h for h in current if not state.members[h].state.is_up]
+    # A member listed here that registered again as a spare (it died while the job waited, then came
+    # back) is a new process: it lost its rank, and may take one again only in a new epoch.
+    lost = [h for h in current if not state.members[h].state.is_up or state.members[h].role is Role.SPARE]
     survivors = [h for h in current if h not in lost]
-    spares = [m.host_id for m in up if m.host_id not in current]
+    spares = [m.host_id for m in up if m.host_id not in survivors]
     restore = _restore_step(survivors, steps, topology.restore_step)
 
     if not lost:
@@ -95,7 +100,9 @@ def plan(now: float, state: ClusterState, steps: Mapping[str, int], settings: Pl
         if target > len(current):
             hosts = (*current, *spares[: target - len(current)])
             added = ", ".join(hosts[len(current) :])
-            return Decision(Kind.GROW, f"grew from {len(current)} to {target} hosts: added {added}", hosts, restore)
+            return Decision(
+                Kind.GROW, f"grew from {len(current)} to {target} hosts: added {added}", hosts, restore
+            )
         return Decision(Kind.NONE, "topology healthy")
 
     why_lost = "; ".join(f"{h} {state.members[h].state.value} ({state.members[h].reason})" for h in lost)
@@ -166,7 +173,9 @@ def plan_events(
     if decision.kind is Kind.NONE:
         return []
     if decision.kind is Kind.WAIT:
-        return [Event(EventType.JOB_WAITING, now, state.epoch, decision.reason, details=dict(decision.details))]
+        return [
+            Event(EventType.JOB_WAITING, now, state.epoch, decision.reason, details=dict(decision.details))
+        ]
 
     if decision.kind is Kind.HALT:
         topology = Topology(
@@ -217,4 +226,3 @@ def plan_events(
         )
     )
     return events
-

@@ -10,15 +10,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
 import structlog
+from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-
 from remesh.coordinator import convert
 from remesh.coordinator.errors import (
     Conflict,
@@ -72,11 +72,66 @@ async def _answer(context: grpc.aio.ServicerContext, call: Awaitable[T]) -> T:
         raise AssertionError("unreachable") from exc  # abort always raises
 
 
+class _Malformed:
+    """What a request that does not parse becomes, so the handler can answer INVALID_ARGUMENT."""
+
+    def __init__(self, type_name: str, error: str) -> None:
+        self.message = f"malformed request: not a valid {type_name} ({error})"
+
+
+def _lenient(cls: type[Message]) -> Callable[[bytes], object]:
+    def parse(data: bytes) -> object:
+        try:
+            return cls.FromString(data)
+        except DecodeError as exc:
+            return _Malformed(cls.DESCRIPTOR.full_name, str(exc))
+
+    return parse
+
+
+def _unary(impl: Callable[..., Awaitable[object]]) -> Callable[..., Awaitable[object]]:
+    async def handler(request: object, context: grpc.aio.ServicerContext) -> object:
+        if isinstance(request, _Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        return await impl(request, context)
+
+    return handler
+
+
+def _server_stream(impl: Callable[..., AsyncIterator[object]]) -> Callable[..., AsyncIterator[object]]:
+    async def handler(request: object, context: grpc.aio.ServicerContext) -> AsyncIterator[object]:
+        if isinstance(request, _Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        async for reply in impl(request, context):
+            yield reply
+
+    return handler
+
+
+def add_servicer(servicer: CoordinatorServicer, server: grpc.aio.Server) -> None:
+    """Like the generated ``add_CoordinatorServicer_to_server``, but a request that does not parse gets
+    INVALID_ARGUMENT with the reason (the generated code answers a bare UNKNOWN)."""
+    service = pb.DESCRIPTOR.services_by_name["Coordinator"]
+    handlers: dict[str, grpc.RpcMethodHandler] = {}
+    for method in service.methods:
+        impl = getattr(servicer, method.name)
+        kw = {
+            "request_deserializer": _lenient(getattr(pb, method.input_type.name)),
+            "response_serializer": getattr(pb, method.output_type.name).SerializeToString,
+        }
+        if method.client_streaming:
+            handlers[method.name] = grpc.stream_stream_rpc_method_handler(impl, **kw)
+        elif method.server_streaming:
+            handlers[method.name] = grpc.unary_stream_rpc_method_handler(_server_stream(impl), **kw)
+        else:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(_unary(impl), **kw)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+
+
 def _matches(event: Event, hosts: set[str], types: set[EventType], since: float) -> bool:
-    if hosts and event.host_id not in hosts:
-        # A topology event concerns every host it names.
-        if not (event.topology and hosts & set(event.topology.host_ids)):
-            return False
+    # A topology event concerns every host it names.
+    if hosts and event.host_id not in hosts and not (event.topology and hosts & set(event.topology.host_ids)):
+        return False
     return (not types or event.type in types) and event.time >= since
 
 
@@ -84,7 +139,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def __init__(self, coordinator: Coordinator) -> None:
         self._c = coordinator
 
-    async def Register(self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext) -> pb.RegisterResponse:
+    async def Register(
+        self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RegisterResponse:
         member = await _answer(
             context,
             self._c.register(
@@ -106,6 +163,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             first = await anext(aiter(request_iterator))
         except StopAsyncIteration:
             return
+        if isinstance(first, _Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, first.message)
         try:
             await self._c.heartbeat(first.host_id, first.incarnation, first.step)
         except (Rejected, NotFound) as exc:
@@ -135,11 +194,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                         return
                     next_command = asyncio.ensure_future(stream.commands.get())
                 if reader in done:
-                    exc = reader.exception()
-                    if isinstance(exc, Rejected | NotFound | InvalidRequest):
-                        yield pb.HeartbeatResponse(command=pb.COMMAND_REREGISTER, reason=str(exc))
-                    elif exc is not None and not isinstance(exc, asyncio.CancelledError):
-                        log.warning("heartbeat stream failed", host=first.host_id, error=repr(exc))
+                    error = reader.exception()
+                    if isinstance(error, Rejected | NotFound | InvalidRequest):
+                        yield pb.HeartbeatResponse(command=pb.COMMAND_REREGISTER, reason=str(error))
+                    elif error is not None:
+                        log.warning("heartbeat stream failed", host=first.host_id, error=repr(error))
                     return
         finally:
             for task in (reader, next_topology, next_command):
@@ -150,6 +209,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     async def _read(self, requests: AsyncIterator[pb.HeartbeatRequest], first: pb.HeartbeatRequest) -> None:
         async for request in requests:
+            if isinstance(request, _Malformed):
+                raise InvalidRequest(request.message)
             if (request.host_id, request.incarnation) != (first.host_id, first.incarnation):
                 raise InvalidRequest(
                     f"a heartbeat stream belongs to {first.host_id} incarnation {first.incarnation}; "
@@ -161,14 +222,18 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         member = await _answer(context, self._c.leave(request.host_id, request.incarnation, request.reason))
         return pb.LeaveResponse(member=convert.member_to_pb(member, self._c.member_step(member.host_id)))
 
-    async def GetTopology(self, request: pb.GetTopologyRequest, context: grpc.aio.ServicerContext) -> pb.Topology:
+    async def GetTopology(
+        self, request: pb.GetTopologyRequest, context: grpc.aio.ServicerContext
+    ) -> pb.Topology:
         return convert.topology_to_pb(self._c.state.topology)
 
     async def WatchTopology(
         self, request: pb.WatchTopologyRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.Topology]:
         if request.after_epoch < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"after_epoch {request.after_epoch} is negative")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"after_epoch {request.after_epoch} is negative"
+            )
         async for topology in self._c.watch_topology(request.after_epoch):
             yield convert.topology_to_pb(topology)
 
@@ -230,7 +295,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         except StoreUnavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
-    async def AckEpoch(self, request: pb.AckEpochRequest, context: grpc.aio.ServicerContext) -> pb.AckEpochResponse:
+    async def AckEpoch(
+        self, request: pb.AckEpochRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AckEpochResponse:
         live = await _answer(
             context,
             self._c.ack_epoch(
@@ -289,20 +356,31 @@ async def serve(settings: Settings) -> RunningCoordinator:
     coordinator = Coordinator(settings, store)
     await coordinator.start()
     server = grpc.aio.server()
-    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(coordinator), server)
-    health_servicer = health.aio.HealthServicer()
+    add_servicer(CoordinatorServicer(coordinator), server)
+    health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     service_name = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
     reflection.enable_server_reflection(
-        (service_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+        (service_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
     )
     port = server.add_insecure_port(settings.listen)
     if port == 0:
         await coordinator.stop()
-        raise OSError(f"cannot listen on {settings.listen}: the address is taken or invalid; pick another --listen")
+        raise OSError(
+            f"cannot listen on {settings.listen}: the address is taken or invalid; pick another --listen"
+        )
     await server.start()
     for name in ("", service_name):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    metrics_port = coordinator.metrics.serve(settings.metrics_port) if settings.metrics_port is not None else None
-    log.info("coordinator serving", port=port, metrics_port=metrics_port, job=settings.job_id, redis=settings.redis_url)
+    metrics_port = (
+        coordinator.metrics.serve(settings.metrics_port) if settings.metrics_port is not None else None
+    )
+    log.info(
+        "coordinator serving",
+        port=port,
+        metrics_port=metrics_port,
+        job=settings.job_id,
+        redis=settings.redis_url,
+    )
     return RunningCoordinator(coordinator, server, port, metrics_port)

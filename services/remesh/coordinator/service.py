@@ -16,12 +16,20 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 import structlog
-
 from remesh.coordinator import membership
-from remesh.coordinator.detector import Liveness, judge
+from remesh.coordinator.detector import Liveness, Verdict, judge
 from remesh.coordinator.errors import Conflict, CoordinatorError, StoreUnavailable
 from remesh.coordinator.metrics import Metrics
-from remesh.coordinator.model import ClusterState, Event, EventType, Member, MemberState, Role, Topology, replay
+from remesh.coordinator.model import (
+    ClusterState,
+    Event,
+    EventType,
+    Member,
+    MemberState,
+    Role,
+    Topology,
+    replay,
+)
 from remesh.coordinator.planner import Kind, plan, plan_events
 from remesh.coordinator.settings import Settings
 from remesh.coordinator.store import RedisStore
@@ -124,7 +132,9 @@ class Coordinator:
                 self._plan_log(
                     "planner", decision=decision.kind.value, reason=decision.reason, epoch=after.epoch
                 )
-                events = events + plan_events(now, after, decision, self.settings.planner, self.settings.job_id)
+                events = events + plan_events(
+                    now, after, decision, self.settings.planner, self.settings.job_id
+                )
                 if not events:
                     return []
                 try:
@@ -158,7 +168,9 @@ class Coordinator:
             if event.type is EventType.MEMBER_DEAD and member is not None:
                 seen = self._liveness.get(member.host_id)
                 signal = seen.stream_broken_at or seen.last_seen if seen else now
-                self.metrics.detection.observe(max(0.0, now - signal) if seen and seen.stream_broken_at else 0.0)
+                self.metrics.detection.observe(
+                    max(0.0, now - signal) if seen and seen.stream_broken_at else 0.0
+                )
             if member is not None and member.state in (MemberState.DEAD, MemberState.LEFT):
                 self._liveness.pop(member.host_id, None)
                 self._send(member.host_id, member.incarnation, "reregister", member.reason)
@@ -204,9 +216,11 @@ class Coordinator:
             self._store_log("store reachable again; every member granted a fresh deadline")
         now = self._clock()
         for verdict in judge(now, self.state, self._liveness, self.settings.detector):
-            await self._change(
-                lambda s, t, v=verdict: membership.declare(t, s, v.host_id, v.incarnation, v.state, v.reason)
-            )
+
+            def transition(s: ClusterState, t: float, v: Verdict = verdict) -> list[Event]:
+                return membership.declare(t, s, v.host_id, v.incarnation, v.state, v.reason)
+
+            await self._change(transition)
         if self.state.topology is None or self.state.waiting_since is not None:
             # The planner's clock-driven decisions (waiting -> halted) need a nudge without an event.
             decision = plan(now, self.state, self._steps, self.settings.planner)
@@ -286,12 +300,20 @@ class Coordinator:
         return self.state.members[host_id]
 
     async def report_fault(
-        self, host_id: str, incarnation: int, kind: membership.FaultKind, epoch: int, exit_code: int, detail: str
+        self,
+        host_id: str,
+        incarnation: int,
+        kind: membership.FaultKind,
+        epoch: int,
+        exit_code: int,
+        detail: str,
     ) -> membership.FaultOutcome:
         outcome: list[membership.FaultOutcome] = []
 
         def transition(s: ClusterState, now: float) -> list[Event]:
-            result = membership.report_fault(now, s, host_id, incarnation, kind, epoch, exit_code, detail, self._max_id)
+            result = membership.report_fault(
+                now, s, host_id, incarnation, kind, epoch, exit_code, detail, self._max_id
+            )
             outcome[:] = [result]
             return result.events
 
@@ -322,15 +344,22 @@ class Coordinator:
     def member_step(self, host_id: str) -> int:
         return self._steps.get(host_id, -1)
 
+    async def _newer_topology(self, epoch: int) -> Topology:
+        def newer() -> bool:
+            return self.state.topology is not None and self.state.topology.epoch > epoch
+
+        async with self._topology_changed:
+            await self._topology_changed.wait_for(newer)
+        assert self.state.topology is not None
+        return self.state.topology
+
     async def watch_topology(self, after_epoch: int = 0) -> AsyncIterator[Topology]:
-        """The current topology (if newer than ``after_epoch``), then each new one."""
+        """The current topology (if newer than ``after_epoch``), then the newest after each change.
+
+        A slow watcher that misses an epoch gets the newest one next: a topology supersedes all before it.
+        """
         sent = after_epoch
         while True:
-            async with self._topology_changed:
-                await self._topology_changed.wait_for(
-                    lambda: self.state.topology is not None and self.state.topology.epoch > sent
-                )
-                topology = self.state.topology
-            assert topology is not None
+            topology = await self._newer_topology(sent)
             sent = topology.epoch
             yield topology

@@ -19,11 +19,10 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 import redis.exceptions
-
 from remesh.coordinator.errors import Conflict, StoreUnavailable
 from remesh.coordinator.model import ClusterState, Event, Member, Topology, replay
 
@@ -102,7 +101,9 @@ class RedisStore:
         )
         return state, int(meta.get("rev", 0))
 
-    async def commit(self, rev: int, before: ClusterState, events: Sequence[Event]) -> tuple[ClusterState, list[Event]]:
+    async def commit(
+        self, rev: int, before: ClusterState, events: Sequence[Event]
+    ) -> tuple[ClusterState, list[Event]]:
         """Apply ``events`` to ``before`` (stored at ``rev``) and store the result atomically.
 
         Returns the new state and the events with their stream ids.
@@ -123,7 +124,9 @@ class RedisStore:
             "events": [e.to_json() for e in events],
         }
         if after.waiting_since != before.waiting_since:
-            payload["meta"]["waiting_since"] = repr(after.waiting_since) if after.waiting_since is not None else ""
+            payload["meta"]["waiting_since"] = (
+                repr(after.waiting_since) if after.waiting_since is not None else ""
+            )
         if after.live_epoch != before.live_epoch:
             payload["meta"]["live_epoch"] = str(after.live_epoch)
         if payload["acks_clear"]:
@@ -137,13 +140,18 @@ class RedisStore:
         stored = [_with_id(e, i) for e, i in zip(events, ids, strict=True)]
         return after, stored
 
-    async def read_events(self, after_id: str = "", since: float = 0.0, count: int | None = None) -> list[Event]:
+    async def read_events(
+        self, after_id: str = "", since: float = 0.0, count: int | None = None
+    ) -> list[Event]:
         start = f"({after_id}" if after_id else (f"{int(since * 1000)}-0" if since else "-")
         try:
             entries = await self._redis.xrange(self.keys["events"], min=start, max="+", count=count)
         except (redis.exceptions.RedisError, OSError) as exc:
             raise _translate(exc, self.url) from exc
-        return [Event.from_json(fields["e"], event_id) for event_id, fields in entries]
+        return [
+            Event.from_json(fields["e"], event_id)
+            for event_id, fields in cast(list[tuple[str, dict[str, str]]], entries)
+        ]
 
     async def follow_events(self, after_id: str, block_ms: int = 500) -> AsyncIterator[list[Event]]:
         """Yield batches of new events after ``after_id`` ("$": only new ones), forever."""
@@ -158,7 +166,8 @@ class RedisStore:
                     reply = await client.xread({self.keys["events"]: last}, block=block_ms, count=256)
                 except (redis.exceptions.RedisError, OSError) as exc:
                     raise _translate(exc, self.url) from exc
-                batch = [Event.from_json(f["e"], i) for _, entries in reply for i, f in entries]
+                streams = cast(list[tuple[str, list[tuple[str, dict[str, str]]]]], reply or [])
+                batch = [Event.from_json(f["e"], i) for _, entries in streams for i, f in entries]
                 if batch:
                     last = batch[-1].id
                 yield batch
@@ -170,7 +179,7 @@ class RedisStore:
             entries = await self._redis.xrevrange(self.keys["events"], count=1)
         except (redis.exceptions.RedisError, OSError) as exc:
             raise _translate(exc, self.url) from exc
-        return entries[0][0] if entries else "0-0"
+        return str(entries[0][0]) if entries else "0-0"
 
     async def write_progress(self, steps: Mapping[str, int]) -> None:
         if not steps:
@@ -185,7 +194,7 @@ class RedisStore:
             raw = await self._redis.hgetall(self.keys["progress"])
         except (redis.exceptions.RedisError, OSError) as exc:
             raise _translate(exc, self.url) from exc
-        return {h: int(s) for h, s in raw.items()}
+        return {str(h): int(s) for h, s in raw.items()}
 
 
 def _with_id(event: Event, event_id: str) -> Event:

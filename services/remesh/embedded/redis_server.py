@@ -46,7 +46,9 @@ def find_redis_server() -> str:
 class RedisServer:
     """One redis-server process. ``appendonly`` keeps data across ``restart()``."""
 
-    def __init__(self, port: int | None = None, *, appendonly: bool = True, directory: str | None = None) -> None:
+    def __init__(
+        self, port: int | None = None, *, appendonly: bool = True, directory: str | None = None
+    ) -> None:
         self.port = port or free_port()
         self.appendonly = appendonly
         self._own_dir = directory is None
@@ -61,13 +63,20 @@ class RedisServer:
     def start(self, timeout: float = 10.0) -> RedisServer:
         args = [
             self.binary,
-            "--bind", "127.0.0.1",
-            "--port", str(self.port),
-            "--dir", self.directory,
-            "--save", "",
-            "--appendonly", "yes" if self.appendonly else "no",
-            "--appendfsync", "everysec",
-            "--protected-mode", "no",
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dir",
+            self.directory,
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--appendfsync",
+            "everysec",
+            "--protected-mode",
+            "no",
         ]
         self.process = subprocess.Popen(
             args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True

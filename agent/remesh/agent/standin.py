@@ -1,4 +1,6 @@
-"""A stand-in trainer for control-plane tests: no JAX, just the agent's local API.
+"""A stand-in trainer: no JAX, just the agent's local API (``python -m remesh.agent.standin``).
+
+It exercises the control plane (tests, the detection benchmark) without the cost of a JAX process.
 
 It reads its assignment from the environment the agent sets, acknowledges its epoch, then reports a
 step every STEP_S seconds; on a new epoch it acknowledges that one and carries on from the restore
@@ -12,7 +14,6 @@ import sys
 import time
 
 import grpc
-
 from remesh.v1 import agent_pb2 as apb
 from remesh.v1 import agent_pb2_grpc as apb_grpc
 
@@ -29,12 +30,16 @@ def main() -> int:
         step += 1
         reply = stub.ReportProgress(apb.ReportProgressRequest(step=step, epoch=epoch), timeout=5)
         if reply.current_epoch > epoch:
-            assignment = next(iter(stub.WatchAssignments(apb.WatchAssignmentsRequest(after_epoch=epoch), timeout=5)))
+            assignment = next(
+                iter(stub.WatchAssignments(apb.WatchAssignmentsRequest(after_epoch=epoch), timeout=5))
+            )
             if assignment.rank < 0:
                 return 0
             epoch = assignment.topology.epoch
             step = max(assignment.topology.restore_step, 0)
-            stub.AckEpoch(apb.LocalAckRequest(epoch=epoch, restored_step=step, restore_source="stand-in"), timeout=5)
+            stub.AckEpoch(
+                apb.LocalAckRequest(epoch=epoch, restored_step=step, restore_source="stand-in"), timeout=5
+            )
 
 
 if __name__ == "__main__":

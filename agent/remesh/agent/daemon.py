@@ -1,0 +1,408 @@
+"""The agent: one per training host. Registers, heartbeats, supervises the trainer, relays epochs.
+
+::
+
+    run ─> register ─> heartbeat stream ──topology──> start / stop / keep the trainer
+             ^              │  ──command──> REREGISTER: stop the trainer, register again (spare)
+             │              │              DRAIN: stop the trainer, leave, exit
+             └──backoff─────┘  (stream or coordinator lost: the trainer keeps running)
+
+The trainer talks to the agent through the local API (``remesh.v1.AgentLocal``) whose address it finds
+in ``REMESH_AGENT_ADDRESS``; its assignment for the epoch it was started on is in its environment too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import grpc
+import structlog
+from remesh.agent.settings import AgentSettings
+from remesh.agent.supervisor import RESTART_EXIT_CODE, TrainerExit, TrainerProcess
+from remesh.v1 import agent_pb2 as apb
+from remesh.v1 import agent_pb2_grpc as apb_grpc
+from remesh.v1 import coordinator_pb2 as pb
+from remesh.v1 import coordinator_pb2_grpc as pb_grpc
+
+__all__ = ["Agent", "AgentExit"]
+
+log = structlog.get_logger("remesh.agent")
+
+
+class AgentExit(Exception):
+    """The agent must stop: the job halted, the host was drained, or the coordinator refused it."""
+
+    def __init__(self, reason: str, code: int = 0) -> None:
+        super().__init__(reason)
+        self.code = code
+
+
+class _Reregister(Exception):
+    pass
+
+
+class _StreamEnded(Exception):
+    """The coordinator closed the heartbeat stream without a command (it is shutting down)."""
+
+
+def rank_of(topology: pb.Topology, host_id: str) -> int:
+    for m in topology.members:
+        if m.host_id == host_id:
+            return int(m.rank)
+    return -1
+
+
+class Agent:
+    def __init__(self, settings: AgentSettings) -> None:
+        self.settings = settings
+        self.log = log.bind(host=settings.host_id)
+        self.incarnation = 0
+        self.topology = pb.Topology(epoch=0, restore_step=-1)
+        self.topology_changed = asyncio.Condition()
+        self.last_step = -1
+        self.last_progress = time.monotonic()
+        self.local_address = ""
+        self.trainer: TrainerProcess | None = None
+        # A trainer that died as collateral damage of a topology change waits for the next epoch.
+        self._restart_after_epoch: int | None = None
+        self._coordinator_index = 0
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: pb_grpc.CoordinatorStub | None = None
+        self._stopping = asyncio.Event()
+        self._trainer_watch: asyncio.Task[None] | None = None
+        self._shutdown_task: asyncio.Task[None] | None = None
+
+    # ---- coordinator connection ------------------------------------------------------------------
+
+    def _connect(self) -> pb_grpc.CoordinatorStub:
+        if self._stub is None:
+            address = self.settings.coordinators[self._coordinator_index % len(self.settings.coordinators)]
+            self._channel = grpc.aio.insecure_channel(address)
+            self._stub = pb_grpc.CoordinatorStub(self._channel)
+        return self._stub
+
+    async def _disconnect(self, rotate: bool) -> None:
+        if self._channel is not None:
+            await self._channel.close(grace=None)
+        self._channel, self._stub = None, None
+        if rotate:
+            self._coordinator_index += 1
+
+    async def run(self) -> int:
+        """Serve until told to stop; returns the process exit code."""
+        local = grpc.aio.server()
+        apb_grpc.add_AgentLocalServicer_to_server(_LocalApi(self), local)
+        port = local.add_insecure_port(self.settings.local_listen)
+        await local.start()
+        self.local_address = f"127.0.0.1:{port}"
+        self.log.info(
+            "agent started", local_api=self.local_address, coordinators=",".join(self.settings.coordinators)
+        )
+        backoff = self.settings.reconnect_initial_s
+        try:
+            while not self._stopping.is_set():
+                try:
+                    await self._session()
+                    backoff = self.settings.reconnect_initial_s
+                except _Reregister as exc:
+                    self.log.warning("coordinator asked to register again", reason=str(exc))
+                    await self._stop_trainer("this incarnation is no longer a member")
+                    backoff = self.settings.reconnect_initial_s
+                except (grpc.aio.AioRpcError, _StreamEnded) as exc:
+                    if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in (
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                    ):
+                        raise AgentExit(f"coordinator refused this agent: {exc.details()}", code=2) from exc
+                    self.log.warning(
+                        "coordinator unreachable; retrying",
+                        error=exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc),
+                        retry_in_s=round(backoff, 3),
+                    )
+                    await self._disconnect(rotate=True)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._stopping.wait(), backoff * (0.5 + random.random()))
+                    backoff = min(backoff * 2, self.settings.reconnect_max_s)
+            return 0
+        except AgentExit as exc:
+            (self.log.info if exc.code == 0 else self.log.error)("agent exiting", reason=str(exc))
+            return exc.code
+        finally:
+            await self._stop_trainer("agent stopping")
+            await local.stop(0.2)
+            await self._disconnect(rotate=False)
+
+    def request_shutdown(self, reason: str) -> None:
+        """From a signal handler: shut down in the background."""
+        if self._shutdown_task is None:
+            self._shutdown_task = asyncio.create_task(self.shutdown(reason))
+
+    async def shutdown(self, reason: str) -> None:
+        """Graceful stop (SIGTERM): stop the trainer, leave the job, exit."""
+        self.log.info("agent shutting down", reason=reason)
+        await self._stop_trainer(reason)
+        if self.incarnation:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await self._connect().Leave(
+                    pb.LeaveRequest(
+                        host_id=self.settings.host_id, incarnation=self.incarnation, reason=reason
+                    ),
+                    timeout=2,
+                )
+        self._stopping.set()
+
+    async def _session(self) -> None:
+        """Register, then keep one heartbeat stream until it ends."""
+        stub = self._connect()
+        reply = await stub.Register(
+            pb.RegisterRequest(
+                host_id=self.settings.host_id,
+                role=pb.ROLE_SPARE if self.settings.spare else pb.ROLE_ACTIVE,
+                device_count=self.settings.device_count,
+                address=self.settings.address,
+            ),
+            timeout=5,
+        )
+        self.incarnation = reply.member.incarnation
+        self.log = log.bind(host=self.settings.host_id, incarnation=self.incarnation)
+        self.log.info("registered", role=pb.Role.Name(reply.member.role), epoch=reply.topology.epoch)
+        interval = reply.heartbeat_interval_s or 0.1
+        call = stub.Heartbeat(self._heartbeats(interval))
+        async for message in call:
+            if message.HasField("topology"):
+                await self._on_topology(message.topology)
+            if message.command == pb.COMMAND_REREGISTER:
+                raise _Reregister(message.reason)
+            if message.command == pb.COMMAND_DRAIN:
+                await self.shutdown(f"drained: {message.reason}")
+                raise AgentExit("drained by the coordinator")
+        raise _StreamEnded("the coordinator closed the heartbeat stream")
+
+    async def _heartbeats(self, interval: float) -> AsyncIterator[pb.HeartbeatRequest]:
+        incarnation = self.incarnation
+        while not self._stopping.is_set():
+            yield pb.HeartbeatRequest(
+                host_id=self.settings.host_id,
+                incarnation=incarnation,
+                step=self.last_step,
+                trainer_status=self._trainer_status(),
+                trainer_epoch=self.trainer.epoch if self.trainer else 0,
+                sent_at=time.time(),
+            )
+            self._check_hang()
+            await asyncio.sleep(interval)
+
+    # ---- trainer supervision ---------------------------------------------------------------------
+
+    def _trainer_status(self) -> Any:
+        if self.trainer is None:
+            return pb.TRAINER_STATUS_NOT_STARTED
+        if self.trainer.hung:
+            return pb.TRAINER_STATUS_HUNG
+        return pb.TRAINER_STATUS_RUNNING if self.trainer.running() else pb.TRAINER_STATUS_EXITED
+
+    def _check_hang(self) -> None:
+        timeout = self.settings.hang_timeout_s
+        trainer = self.trainer
+        if timeout <= 0 or trainer is None or not trainer.running() or trainer.hung:
+            return
+        since = time.monotonic() - max(self.last_progress, trainer.started_at)
+        if since > timeout:
+            self.log.warning(
+                "trainer hung: no step progress; killing it", silent_s=round(since, 1), epoch=trainer.epoch
+            )
+            trainer.kill_hung()
+
+    async def _on_topology(self, topology: pb.Topology) -> None:
+        if topology.epoch < self.topology.epoch:
+            return  # an older epoch than we already run: stale
+        changed = topology.epoch != self.topology.epoch
+        self.topology = topology
+        if changed:
+            async with self.topology_changed:
+                self.topology_changed.notify_all()
+        rank = rank_of(topology, self.settings.host_id)
+        self.log.info(
+            "topology",
+            epoch=topology.epoch,
+            rank=rank,
+            world_size=len(topology.members),
+            reason=topology.reason,
+        )
+        if topology.halted:
+            await self._stop_trainer("job halted")
+            raise AgentExit(f"job halted: {topology.reason}", code=3)
+        if rank < 0:
+            await self._stop_trainer(f"not in epoch {topology.epoch}")
+            return
+        trainer = self.trainer
+        idle = trainer is None or not trainer.running()
+        if idle and (self._restart_after_epoch is None or topology.epoch > self._restart_after_epoch):
+            await self._start_trainer(topology, rank)
+        # A running trainer sees the new epoch through the local API and re-meshes in-process.
+
+    def trainer_env(self, topology: pb.Topology, rank: int) -> Mapping[str, str]:
+        return {
+            "REMESH_AGENT_ADDRESS": self.local_address,
+            "REMESH_HOST_ID": self.settings.host_id,
+            "REMESH_JOB": self.settings.job_id,
+            "REMESH_EPOCH": str(topology.epoch),
+            "REMESH_RANK": str(rank),
+            "REMESH_WORLD_SIZE": str(len(topology.members)),
+            "REMESH_JAX_COORDINATOR": topology.jax_coordinator_address,
+            "REMESH_RESTORE_STEP": str(topology.restore_step),
+            "REMESH_DEVICE_COUNT": str(self.settings.device_count),
+        }
+
+    async def _start_trainer(self, topology: pb.Topology, rank: int) -> None:
+        self._restart_after_epoch = None
+        self.last_progress = time.monotonic()
+        trainer = TrainerProcess(
+            self.settings.trainer_command, self.trainer_env(topology, rank), topology.epoch
+        )
+        try:
+            await trainer.start()
+        except OSError as exc:
+            self.log.error(
+                "cannot start the trainer", error=str(exc), command=" ".join(self.settings.trainer_command)
+            )
+            await self._report_fault(
+                TrainerExit(topology.epoch, 127, stopped=False), detail=f"cannot start: {exc}"
+            )
+            return
+        self.trainer = trainer
+        self._trainer_watch = asyncio.create_task(self._watch_trainer(trainer))
+
+    async def _stop_trainer(self, reason: str) -> None:
+        trainer = self.trainer
+        if trainer is not None and trainer.running():
+            self.log.info("stopping trainer", reason=reason, pid=trainer.pid)
+            await trainer.stop(self.settings.stop_grace_s)
+
+    async def _watch_trainer(self, trainer: TrainerProcess) -> None:
+        result = await trainer.wait()
+        if self.trainer is not trainer:
+            return
+        self.log.info(
+            "trainer exited",
+            code=result.returncode,
+            epoch=result.epoch,
+            stopped=result.stopped,
+            hung=result.hung,
+        )
+        if result.stopped or (result.returncode == 0 and not result.hung):
+            return
+        rank = rank_of(self.topology, self.settings.host_id)
+        if result.returncode == RESTART_EXIT_CODE and not result.hung:
+            # The trainer asked for a fresh process on the current topology: no fault.
+            if rank >= 0 and self.topology.epoch > result.epoch:
+                await self._start_trainer(self.topology, rank)
+            else:
+                self._restart_after_epoch = result.epoch
+            return
+        await self._report_fault(result, detail="")
+
+    async def _report_fault(self, result: TrainerExit, detail: str) -> None:
+        kind = pb.FAULT_KIND_TRAINER_HUNG if result.hung else pb.FAULT_KIND_TRAINER_EXITED
+        detail = detail or ("no step progress" if result.hung else f"exit code {result.returncode}")
+        try:
+            reply = await self._connect().ReportFault(
+                pb.ReportFaultRequest(
+                    host_id=self.settings.host_id,
+                    incarnation=self.incarnation,
+                    kind=kind,
+                    epoch=result.epoch,
+                    exit_code=result.returncode,
+                    detail=detail,
+                ),
+                timeout=5,
+            )
+        except grpc.aio.AioRpcError as exc:
+            self.log.warning("could not report the trainer fault", code=exc.code().name, detail=exc.details())
+            return
+        self.log.info("fault reported", member_dead=reply.member_dead, reason=reply.reason)
+        if reply.member_dead:
+            return  # the coordinator replaces this host and tells the agent to register again
+        rank = rank_of(self.topology, self.settings.host_id)
+        if rank >= 0 and self.topology.epoch > result.epoch:
+            await self._start_trainer(self.topology, rank)
+        else:
+            self._restart_after_epoch = result.epoch
+
+    # ---- local API helpers -----------------------------------------------------------------------
+
+    def report_progress(self, step: int) -> int:
+        if step > self.last_step or step < self.last_step - 1:
+            self.last_progress = time.monotonic()
+        self.last_step = step
+        return int(self.topology.epoch)
+
+    async def ack_epoch(self, request: apb.LocalAckRequest) -> bool:
+        reply = await self._connect().AckEpoch(
+            pb.AckEpochRequest(
+                host_id=self.settings.host_id,
+                incarnation=self.incarnation,
+                epoch=request.epoch,
+                restored_step=request.restored_step,
+                restore_source=request.restore_source,
+                phases=dict(request.phases),
+            ),
+            timeout=5,
+        )
+        self.last_progress = time.monotonic()
+        if request.restored_step >= 0:
+            self.last_step = (
+                max(self.last_step, request.restored_step) if request.epoch else request.restored_step
+            )
+        return bool(reply.live)
+
+    async def newer_epoch(self, epoch: int) -> int:
+        """Wait until the agent knows an epoch newer than ``epoch``; return it."""
+
+        def newer() -> bool:
+            return self.topology.epoch > epoch
+
+        async with self.topology_changed:
+            await self.topology_changed.wait_for(newer)
+        return int(self.topology.epoch)
+
+    def assignment(self) -> apb.Assignment:
+        return apb.Assignment(
+            topology=self.topology,
+            host_id=self.settings.host_id,
+            rank=rank_of(self.topology, self.settings.host_id),
+            world_size=len(self.topology.members),
+        )
+
+
+class _LocalApi(apb_grpc.AgentLocalServicer):
+    def __init__(self, agent: Agent) -> None:
+        self._agent = agent
+
+    async def WatchAssignments(
+        self, request: apb.WatchAssignmentsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[apb.Assignment]:
+        sent = request.after_epoch
+        while True:
+            sent = await self._agent.newer_epoch(sent)
+            yield self._agent.assignment()
+
+    async def ReportProgress(
+        self, request: apb.ReportProgressRequest, context: grpc.aio.ServicerContext
+    ) -> apb.ReportProgressResponse:
+        return apb.ReportProgressResponse(current_epoch=self._agent.report_progress(request.step))
+
+    async def AckEpoch(
+        self, request: apb.LocalAckRequest, context: grpc.aio.ServicerContext
+    ) -> apb.LocalAckResponse:
+        try:
+            live = await self._agent.ack_epoch(request)
+        except grpc.aio.AioRpcError as exc:
+            await context.abort(exc.code(), exc.details() or "")
+            raise AssertionError("unreachable") from exc
+        return apb.LocalAckResponse(live=live)

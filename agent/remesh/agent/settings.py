@@ -1,0 +1,31 @@
+"""The agent's settings: one immutable object built by ``remesh agent`` from its flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["AgentSettings"]
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    # Coordinator addresses (host:port); the agent tries them in turn until one answers.
+    coordinators: tuple[str, ...]
+    host_id: str
+    trainer_command: tuple[str, ...]
+    spare: bool = False
+    device_count: int = 1
+    # Address peers reach this host at (the JAX coordination service runs here when it is rank 0).
+    address: str = "127.0.0.1"
+    job_id: str = "default"
+    # Local API for the trainer; port 0 picks a free one (passed to the trainer in its environment).
+    local_listen: str = "127.0.0.1:0"
+    # A trainer that reports no step for this long is hung: killed and reported. 0 turns it off.
+    # Generous by default: the first step includes JAX start-up and compilation.
+    hang_timeout_s: float = 120.0
+    # Reconnect backoff: doubling from the first to the cap, with jitter, so a restarted coordinator
+    # is not hit by every agent at once, yet is found again within a second.
+    reconnect_initial_s: float = 0.05
+    reconnect_max_s: float = 1.0
+    # How long a trainer told to stop gets before SIGKILL.
+    stop_grace_s: float = 5.0

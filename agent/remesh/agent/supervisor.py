@@ -1,0 +1,99 @@
+"""Runs the trainer command as a child process and watches it.
+
+The trainer shares the agent's process group (a signal to the host reaches both) and is bound to the
+agent's life with PR_SET_PDEATHSIG, so a killed agent never leaves an orphaned trainer behind. The
+death signal is set by util-linux's ``setpriv`` between fork and exec: a Python ``preexec_fn`` is not
+safe in a process with gRPC threads (the child can crash before exec).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import structlog
+
+__all__ = ["RESTART_EXIT_CODE", "TrainerExit", "TrainerProcess"]
+
+log = structlog.get_logger("remesh.agent")
+
+# A trainer that cannot recover in-process (say, its JAX runtime is beyond repair) exits with this
+# code (EX_TEMPFAIL) to ask its agent for an immediate restart on the current topology.
+RESTART_EXIT_CODE = 75
+
+
+@dataclass(frozen=True)
+class TrainerExit:
+    epoch: int
+    returncode: int
+    # True when the agent stopped it on purpose (not a fault).
+    stopped: bool
+    hung: bool = False
+
+
+def _bound_to_parent(command: Sequence[str]) -> list[str]:
+    setpriv = shutil.which("setpriv")
+    if sys.platform == "linux" and setpriv:
+        return [setpriv, "--pdeathsig", "KILL", "--", *command]
+    return list(command)
+
+
+class TrainerProcess:
+    """One run of the trainer for one epoch."""
+
+    def __init__(self, command: Sequence[str], env: Mapping[str, str], epoch: int) -> None:
+        self.command = list(command)
+        self.env = dict(env)
+        self.epoch = epoch
+        self.process: asyncio.subprocess.Process | None = None
+        self.started_at = 0.0
+        self._stopping = False
+        self.hung = False
+
+    async def start(self) -> None:
+        self.started_at = time.monotonic()
+        self.process = await asyncio.create_subprocess_exec(
+            *_bound_to_parent(self.command), env={**os.environ, **self.env}
+        )
+        log.info("trainer started", pid=self.process.pid, epoch=self.epoch, command=" ".join(self.command))
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid if self.process else 0
+
+    def running(self) -> bool:
+        return self.process is not None and self.process.returncode is None
+
+    async def wait(self) -> TrainerExit:
+        assert self.process is not None
+        code = await self.process.wait()
+        return TrainerExit(self.epoch, code, self._stopping, self.hung)
+
+    async def stop(self, grace_s: float) -> None:
+        """SIGTERM, then SIGKILL after ``grace_s``."""
+        if not self.running():
+            return
+        assert self.process is not None
+        self._stopping = True
+        with contextlib.suppress(ProcessLookupError):
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(self.process.wait(), grace_s)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.kill()
+            await self.process.wait()
+
+    def kill_hung(self) -> None:
+        if self.running():
+            assert self.process is not None
+            self.hung = True
+            with contextlib.suppress(ProcessLookupError):
+                self.process.kill()

@@ -1,0 +1,128 @@
+"""Bad input to every API gets a clear gRPC status and changes nothing (real coordinator, real Redis)."""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Callable, Iterator
+
+import grpc
+import pytest
+from remesh.v1 import coordinator_pb2 as pb
+
+from tests.procs import Cluster, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def running(cluster: Cluster) -> Iterator[Cluster]:
+    cluster.start_coordinator("--world-size", "2", "--metrics-port", "0")
+    cluster.start_agent("host-0")
+    cluster.start_agent("host-1")
+    cluster.wait_epoch(1)
+    wait_for(lambda: any(e.type == pb.EVENT_TYPE_EPOCH_LIVE for e in cluster.events()), 30, "epoch 1 live")
+    yield cluster
+
+
+def snapshot(c: Cluster) -> tuple[object, ...]:
+    members = {h: (m.incarnation, m.state, m.rank, m.role, m.reason) for h, m in c.members().items()}
+    return members, c.topology().SerializeToString(), len(c.events())
+
+
+def code_of(call: Callable[[], object]) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    return err.value.code(), err.value.details() or ""
+
+
+def test_bad_requests_get_clear_statuses_and_change_nothing(running: Cluster) -> None:
+    stub = running.stub()
+    members = running.members()
+    inc = members["host-0"].incarnation
+    epoch = running.topology().epoch
+    before = snapshot(running)
+    INVALID, NOT_FOUND, FAILED = (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.FAILED_PRECONDITION,
+    )
+    cases: list[tuple[str, Callable[[], object], grpc.StatusCode, str]] = [
+        ("empty id", lambda: stub.Register(pb.RegisterRequest(host_id="")), INVALID, "empty"),
+        ("oversized id", lambda: stub.Register(pb.RegisterRequest(host_id="h" * 500)), INVALID, "limit is 128"),
+        ("bad characters", lambda: stub.Register(pb.RegisterRequest(host_id="a b/c")), INVALID, "characters"),
+        ("negative devices", lambda: stub.Register(pb.RegisterRequest(host_id="x", device_count=-1)), INVALID, "device_count"),
+        ("unknown host", lambda: stub.GetMember(pb.GetMemberRequest(host_id="ghost")), NOT_FOUND, "unknown host"),
+        ("leave unknown", lambda: stub.Leave(pb.LeaveRequest(host_id="ghost", incarnation=1)), NOT_FOUND, "unknown host"),
+        ("stale incarnation", lambda: stub.Leave(pb.LeaveRequest(host_id="host-0", incarnation=inc - 1)), FAILED, "stale incarnation"),
+        ("future incarnation", lambda: stub.Leave(pb.LeaveRequest(host_id="host-0", incarnation=inc + 5)), FAILED, "never issued"),
+        ("stale epoch ack", lambda: stub.AckEpoch(pb.AckEpochRequest(host_id="host-0", incarnation=inc, epoch=epoch - 1)), FAILED, "stale epoch"),
+        ("future epoch ack", lambda: stub.AckEpoch(pb.AckEpochRequest(host_id="host-0", incarnation=inc, epoch=epoch + 7)), FAILED, "current epoch"),
+        ("unknown fault kind", lambda: stub.ReportFault(pb.ReportFaultRequest(host_id="host-0", incarnation=inc, kind=99)), INVALID, "fault kind"),
+        ("fault in an unpublished epoch", lambda: stub.ReportFault(pb.ReportFaultRequest(host_id="host-0", incarnation=inc, kind=pb.FAULT_KIND_TRAINER_EXITED, epoch=epoch + 3)), INVALID, "never published"),
+        ("drain unknown", lambda: stub.Drain(pb.DrainRequest(host_id="ghost")), NOT_FOUND, "unknown host"),
+        ("bad state filter", lambda: stub.ListMembers(pb.ListMembersRequest(states=[42])), INVALID, "member state"),
+        ("bad event id", lambda: list(stub.ReplayEvents(pb.ReplayEventsRequest(after_id="yesterday"))), INVALID, "event id"),
+        ("bad event type", lambda: list(stub.ReplayEvents(pb.ReplayEventsRequest(types=[999]))), INVALID, "event type"),
+        ("negative watch epoch", lambda: next(iter(stub.WatchTopology(pb.WatchTopologyRequest(after_epoch=-1)))), INVALID, "negative"),
+    ]  # fmt: skip
+    for name, call, expected, words in cases:
+        code, details = code_of(call)
+        assert code == expected, (name, code, details)
+        assert words in details, (name, details)
+    assert snapshot(running) == before
+
+
+def test_malformed_bytes_are_refused_and_change_nothing(running: Cluster) -> None:
+    before = snapshot(running)
+    channel = grpc.insecure_channel(running.address)
+    raw = channel.unary_unary("/remesh.v1.Coordinator/Register")  # no serializer: raw bytes go out
+    code, details = code_of(lambda: raw(b"\xff\xff\xff\xff not a protobuf", timeout=5))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid remesh.v1.RegisterRequest" in details
+    unknown = channel.unary_unary("/remesh.v1.Coordinator/Explode")
+    code, _ = code_of(lambda: unknown(b"", timeout=5))
+    assert code == grpc.StatusCode.UNIMPLEMENTED
+    channel.close()
+    assert snapshot(running) == before
+
+
+def test_heartbeats_of_stale_or_unknown_incarnations_are_told_to_register_and_change_nothing(
+    running: Cluster,
+) -> None:
+    before = snapshot(running)
+    inc = running.members()["host-1"].incarnation
+    for host, incarnation in (("host-1", inc - 1), ("host-1", inc + 1), ("ghost", 1)):
+        replies = list(
+            running.stub().Heartbeat(
+                iter([pb.HeartbeatRequest(host_id=host, incarnation=incarnation)]), timeout=5
+            )
+        )
+        assert [r.command for r in replies] == [pb.COMMAND_REREGISTER], (host, incarnation)
+        assert replies[0].reason
+    assert snapshot(running) == before
+
+
+def test_health_reflection_and_metrics_are_served(running: Cluster) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    channel = grpc.insecure_channel(running.address)
+    health = health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(service="remesh.v1.Coordinator"), timeout=5
+    )
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    reflection = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+    )
+    names = {s.name for s in next(iter(reflection)).list_services_response.service}
+    assert "remesh.v1.Coordinator" in names
+    channel.close()
+
+    log = running.coordinator.output()  # type: ignore[union-attr]
+    port = int(log.split("metrics_port=")[1].split()[0])
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert "remesh_epoch 1.0" in text
+    assert 'remesh_members{state="alive"} 2.0' in text
+    assert "remesh_heartbeats_total" in text
+    assert "remesh_detection_latency_seconds_bucket" in text
+    assert "remesh_epochs_published_total 1.0" in text
