@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from remesh.cli import _agent, _coordinator, _ops
+from remesh.cli import _agent, _coordinator, _demo, _ops
 from remesh.cli._logging import configure_logging
 
 __all__ = ["main"]
@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     _coordinator.add_parser(sub)
     _agent.add_parser(sub)
     _ops.add_parsers(sub)
+    _demo.add_parser(sub)
     return parser
 
 

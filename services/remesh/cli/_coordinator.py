@@ -6,11 +6,12 @@ import argparse
 import asyncio
 import os
 import signal
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import structlog
-from remesh.coordinator import DetectorSettings, PlannerSettings, Settings, serve
+from remesh.coordinator import PlannerSettings, Settings, serve
 from remesh.coordinator.errors import StoreUnavailable
 
 log = structlog.get_logger("remesh.cli")
@@ -41,6 +42,11 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--heartbeat-interval", type=float, help="override the preset's heartbeat interval (s)")
     p.add_argument("--heartbeat-timeout", type=float, help="override the preset's heartbeat timeout (s)")
+    p.add_argument(
+        "--no-stream-signal",
+        action="store_true",
+        help="judge hosts by heartbeat timeouts alone, ignoring broken heartbeat streams",
+    )
     p.add_argument("--port-file", help="write the bound gRPC port to this file once serving")
     p.set_defaults(run=run)
 
@@ -49,15 +55,17 @@ def settings_from_args(args: argparse.Namespace, redis_url: str) -> Settings:
     base = Settings.production() if args.preset == "production" else Settings.local()
     d = base.detector
     if args.heartbeat_interval:
-        d = DetectorSettings(
+        # Keep the preset's ratios: suspect after 3 missed heartbeats, dead after 6.
+        d = replace(
+            d,
             heartbeat_interval_s=args.heartbeat_interval,
             suspect_after_s=3 * args.heartbeat_interval,
-            heartbeat_timeout_s=args.heartbeat_timeout or 6 * args.heartbeat_interval,
-            stream_grace_s=d.stream_grace_s,
-            failover_grace_s=d.failover_grace_s,
+            heartbeat_timeout_s=6 * args.heartbeat_interval,
         )
-    elif args.heartbeat_timeout:
-        d = DetectorSettings(**{**d.__dict__, "heartbeat_timeout_s": args.heartbeat_timeout})
+    if args.heartbeat_timeout:
+        d = replace(d, heartbeat_timeout_s=args.heartbeat_timeout)
+    if args.no_stream_signal:
+        d = replace(d, stream_break_signal=False)
     planner = PlannerSettings(
         world_size=args.world_size,
         min_world_size=args.min_world_size,

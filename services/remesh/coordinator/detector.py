@@ -53,7 +53,7 @@ def judge(
         if seen is None or seen.incarnation != member.incarnation or now < seen.not_before:
             continue
         silence = now - seen.last_seen
-        broken = seen.stream_broken_at
+        broken = seen.stream_broken_at if settings.stream_break_signal else None
         if broken is not None and now - broken >= settings.stream_grace_s:
             verdicts.append(
                 Verdict(

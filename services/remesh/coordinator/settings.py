@@ -23,6 +23,9 @@ class DetectorSettings:
     # A broken heartbeat stream is a strong signal (the agent's process died and its socket closed),
     # but a flaky link breaks streams too: give the agent this long to reconnect first.
     stream_grace_s: float = 0.1
+    # Judge by heartbeats alone, ignoring stream breaks (for networks whose proxies cut idle streams,
+    # and as the heartbeat-timeout-only baseline in benchmarks/detection.py).
+    stream_break_signal: bool = True
     # After a coordinator start or a store outage every member gets this long before anyone is
     # judged, so a coordinator failover never evicts healthy hosts.
     failover_grace_s: float = 3.0

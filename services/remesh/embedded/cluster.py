@@ -1,0 +1,178 @@
+"""A job on this machine as real processes: coordinators and agents started as ``python -m remesh.cli``.
+
+Used by the tests, the benchmarks and the demo. Every process starts in its own session, so one signal
+to its process group reaches a whole host (agent and trainer), and ``close()`` kills every process
+this object started (by pid, nothing else).
+"""
+
+from __future__ import annotations
+
+__all__ = ["LocalCluster", "Proc", "wait_for"]
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import grpc
+from remesh.v1 import coordinator_pb2 as pb
+from remesh.v1 import coordinator_pb2_grpc as pb_grpc
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.02) -> object:
+    """Poll ``predicate`` until it returns something truthy; fail with ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last value: {last!r})")
+
+
+class Proc:
+    def __init__(self, args: Sequence[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.args = list(args)
+        self.log_path = log_path
+        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in close()
+        self.popen = subprocess.Popen(
+            self.args,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def signal_group(self, sig: int) -> None:
+        """Send ``sig`` to the process and everything it started (the whole host)."""
+        if self.alive():
+            os.killpg(self.popen.pid, sig)
+
+    def kill(self) -> None:
+        self.signal_group(signal.SIGKILL)
+        self.popen.wait(10)
+
+    def terminate(self, timeout: float = 10) -> int:
+        if self.alive():
+            os.killpg(self.popen.pid, signal.SIGTERM)
+            try:
+                return self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.popen.returncode
+
+    def close(self) -> None:
+        if self.alive():
+            with_cont = [signal.SIGCONT, signal.SIGKILL]
+            for sig in with_cont:
+                try:
+                    os.killpg(self.popen.pid, sig)
+                except ProcessLookupError:
+                    break
+            self.popen.wait(10)
+        self._log.close()
+
+    def output(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+
+class LocalCluster:
+    """Starts and tracks the processes of one job."""
+
+    def __init__(self, tmp_path: Path, redis_url: str, job: str) -> None:
+        self.tmp = tmp_path
+        self.redis_url = redis_url
+        self.job = job
+        self.procs: list[Proc] = []
+        self.coordinator: Proc | None = None
+        self.port = 0
+        self.agents: dict[str, Proc] = {}
+        self._channel: grpc.Channel | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start_coordinator(self, *extra: str, port: int = 0) -> Proc:
+        port_file = self.tmp / f"coordinator-{len(self.procs)}.port"
+        args = [
+            sys.executable, "-m", "remesh.cli", "coordinator",
+            "--redis", self.redis_url, "--job", self.job,
+            "--listen", f"127.0.0.1:{port}", "--port-file", str(port_file), *extra,
+        ]  # fmt: skip
+        proc = Proc(args, self.tmp / f"coordinator-{len(self.procs)}.log")
+        self.procs.append(proc)
+        wait_for(lambda: port_file.exists() or not proc.alive(), 30, "the coordinator to serve")
+        if not proc.alive():
+            raise RuntimeError(
+                f"the coordinator exited with code {proc.popen.returncode}:\n{proc.output()[-4000:]}"
+            )
+        self.port = int(port_file.read_text())
+        self.coordinator = proc
+        return proc
+
+    def start_agent(
+        self,
+        host_id: str,
+        *,
+        spare: bool = False,
+        trainer: Sequence[str] | None = None,
+        extra: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+    ) -> Proc:
+        trainer_cmd = list(trainer) if trainer is not None else [sys.executable, "-m", "remesh.agent.standin"]
+        args = [
+            sys.executable, "-m", "remesh.cli", "agent",
+            "--coordinator", self.address, "--host-id", host_id, "--devices", "2",
+            *(["--spare"] if spare else []), *extra, "--", *trainer_cmd,
+        ]  # fmt: skip
+        proc = Proc(args, self.tmp / f"agent-{host_id}-{len(self.procs)}.log", env=env)
+        self.procs.append(proc)
+        self.agents[host_id] = proc
+        return proc
+
+    def stub(self) -> pb_grpc.CoordinatorStub:
+        if self._channel is None:
+            self._channel = grpc.insecure_channel(self.address)
+        return pb_grpc.CoordinatorStub(self._channel)
+
+    def reset_channel(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    def topology(self) -> pb.Topology:
+        return self.stub().GetTopology(pb.GetTopologyRequest(), timeout=5)
+
+    def members(self) -> dict[str, pb.Member]:
+        return {m.host_id: m for m in self.stub().ListMembers(pb.ListMembersRequest(), timeout=5).members}
+
+    def events(self) -> list[pb.Event]:
+        return list(self.stub().ReplayEvents(pb.ReplayEventsRequest(), timeout=10))
+
+    def wait_epoch(self, epoch: int, timeout: float = 30) -> pb.Topology:
+        def reached() -> pb.Topology | None:
+            try:
+                t = self.topology()
+            except grpc.RpcError:
+                return None
+            return t if t.epoch >= epoch else None
+
+        return wait_for(reached, timeout, f"epoch {epoch}")  # type: ignore[return-value]
+
+    def close(self) -> None:
+        self.reset_channel()
+        for proc in reversed(self.procs):
+            proc.close()
