@@ -9,8 +9,8 @@ import time
 
 import grpc
 import pytest
-from remesh.v1 import coordinator_pb2 as pb
 
+from remesh.v1 import coordinator_pb2 as pb
 from tests.procs import Cluster, wait_for
 
 pytestmark = pytest.mark.integration
@@ -211,3 +211,52 @@ def test_without_a_spare_the_job_shrinks_then_waits_and_halts_below_the_minimum(
     for h in ("host-0", "host-2"):
         wait_for(lambda h=h: not cluster.agents[h].alive(), 15, f"agent {h} to exit")
         assert cluster.agents[h].popen.returncode == 3
+
+
+def test_a_trainer_that_crashes_gets_its_host_replaced_and_the_host_rejoins_as_a_spare(
+    cluster: Cluster,
+) -> None:
+    cluster.start_coordinator("--world-size", "2")
+    cluster.start_agent("host-0")
+    cluster.start_agent("host-1", env={"STAND_IN_FAIL_AT": "10:1"})
+    cluster.start_agent("spare-0", spare=True)
+    topology = cluster.wait_epoch(2, timeout=30)
+    assert [m.host_id for m in topology.members] == ["host-0", "spare-0"]
+    assert "trainer_exited: exit code 1" in topology.reason
+    fault = next(e for e in cluster.events() if e.type == pb.EVENT_TYPE_FAULT_REPORTED)
+    assert fault.host_id == "host-1" and fault.details["exit_code"] == "1" and fault.details["epoch"] == "1"
+    member = wait_for(
+        lambda: (
+            (m := cluster.members()["host-1"]).state == pb.MEMBER_STATE_ALIVE and m.incarnation == 2 and m
+        ),
+        15,
+        "host-1 to rejoin as a spare",
+    )
+    assert member.role == pb.ROLE_SPARE  # type: ignore[union-attr]
+    assert cluster.agents["host-1"].alive(), "the agent outlives its trainer"
+
+
+def test_a_hung_trainer_is_killed_reported_and_replaced(cluster: Cluster) -> None:
+    cluster.start_coordinator("--world-size", "2")
+    cluster.start_agent("host-0")
+    cluster.start_agent("host-1", env={"STAND_IN_FAIL_AT": "5:hang"}, extra=["--hang-timeout", "0.5"])
+    cluster.start_agent("spare-0", spare=True)
+    topology = cluster.wait_epoch(2, timeout=30)
+    assert [m.host_id for m in topology.members] == ["host-0", "spare-0"]
+    assert "trainer_hung" in topology.reason
+    fault = next(e for e in cluster.events() if e.type == pb.EVENT_TYPE_FAULT_REPORTED)
+    assert fault.details["kind"] == "trainer_hung"
+
+
+def test_drain_replaces_the_host_and_its_agent_leaves(cluster: Cluster) -> None:
+    start_job(cluster)
+    member = (
+        cluster.stub().Drain(pb.DrainRequest(host_id="host-3", reason="kernel upgrade"), timeout=5).member
+    )
+    assert member.state == pb.MEMBER_STATE_DRAINING
+    topology = cluster.wait_epoch(2, timeout=10)
+    assert topology.members[3].host_id == "spare-0"
+    wait_for(lambda: not cluster.agents["host-3"].alive(), 15, "the drained agent to exit")
+    assert cluster.agents["host-3"].popen.returncode == 0
+    left = cluster.members()["host-3"]
+    assert left.state == pb.MEMBER_STATE_LEFT and "kernel upgrade" in left.reason

@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 import structlog
+
 from remesh.agent.settings import AgentSettings
 from remesh.agent.supervisor import RESTART_EXIT_CODE, TrainerExit, TrainerProcess
 from remesh.v1 import agent_pb2 as apb
@@ -223,6 +224,7 @@ class Agent:
             return  # an older epoch than we already run: stale
         changed = topology.epoch != self.topology.epoch
         self.topology = topology
+        self.log = self.log.bind(epoch=topology.epoch)
         if changed:
             async with self.topology_changed:
                 self.topology_changed.notify_all()

@@ -5,6 +5,9 @@ It exercises the control plane (tests, the detection benchmark) without the cost
 It reads its assignment from the environment the agent sets, acknowledges its epoch, then reports a
 step every STEP_S seconds; on a new epoch it acknowledges that one and carries on from the restore
 step. It exits 0 when the agent tells it its host left the topology.
+
+Failure injection, keyed on the step: ``STAND_IN_FAIL_AT=STEP:CODE`` exits with CODE on reaching
+STEP (in epoch 1 only, so a restarted trainer runs on), ``STAND_IN_FAIL_AT=STEP:hang`` stops reporting progress there.
 """
 
 from __future__ import annotations
@@ -14,10 +17,19 @@ import sys
 import time
 
 import grpc
+
 from remesh.v1 import agent_pb2 as apb
 from remesh.v1 import agent_pb2_grpc as apb_grpc
 
 STEP_S = float(os.environ.get("STAND_IN_STEP_S", "0.05"))
+
+
+def _injected_failure() -> tuple[int, str] | None:
+    raw = os.environ.get("STAND_IN_FAIL_AT", "")
+    if not raw:
+        return None
+    step, _, what = raw.partition(":")
+    return int(step), what
 
 
 def main() -> int:
@@ -25,9 +37,14 @@ def main() -> int:
     epoch = int(os.environ["REMESH_EPOCH"])
     step = max(int(os.environ.get("REMESH_RESTORE_STEP", "-1")), 0)
     stub.AckEpoch(apb.LocalAckRequest(epoch=epoch, restored_step=step, restore_source="stand-in"), timeout=5)
+    failure = _injected_failure()
     while True:
         time.sleep(STEP_S)
         step += 1
+        if failure and epoch == 1 and step >= failure[0]:
+            if failure[1] == "hang":
+                time.sleep(3600)
+            return int(failure[1])
         reply = stub.ReportProgress(apb.ReportProgressRequest(step=step, epoch=epoch), timeout=5)
         if reply.current_epoch > epoch:
             assignment = next(
