@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+
 from remesh.embedded import RedisServer
 from remesh.embedded.cluster import LocalCluster, wait_for
 from remesh.v1 import coordinator_pb2 as pb

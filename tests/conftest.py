@@ -7,8 +7,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from remesh.embedded import RedisServer
 
+from remesh.embedded import RedisServer
 from tests.procs import Cluster
 
 

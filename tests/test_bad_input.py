@@ -7,8 +7,8 @@ from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
-from remesh.v1 import coordinator_pb2 as pb
 
+from remesh.v1 import coordinator_pb2 as pb
 from tests.procs import Cluster, wait_for
 
 pytestmark = pytest.mark.integration

@@ -231,7 +231,6 @@ class Agent:
         rank = rank_of(topology, self.settings.host_id)
         self.log.info(
             "topology",
-            epoch=topology.epoch,
             rank=rank,
             world_size=len(topology.members),
             reason=topology.reason,

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+
 from remesh.coordinator import PlannerSettings, Settings, serve
 from remesh.coordinator.errors import StoreUnavailable
 

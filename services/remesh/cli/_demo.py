@@ -21,10 +21,11 @@ from typing import Any
 
 import grpc
 import structlog
+from rich.console import Console
+
 from remesh.embedded import RedisServer
 from remesh.embedded.cluster import LocalCluster, wait_for
 from remesh.v1 import coordinator_pb2 as pb
-from rich.console import Console
 
 log = structlog.get_logger("remesh.cli")
 

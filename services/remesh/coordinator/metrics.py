@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
 from remesh.coordinator.model import MemberState
 
 __all__ = ["Metrics"]

@@ -19,6 +19,7 @@ import structlog
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
 from remesh.coordinator import convert
 from remesh.coordinator.errors import (
     Conflict,

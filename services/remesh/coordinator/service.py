@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 import structlog
+
 from remesh.coordinator import membership
 from remesh.coordinator.detector import Liveness, Verdict, judge
 from remesh.coordinator.errors import Conflict, CoordinatorError, StoreUnavailable

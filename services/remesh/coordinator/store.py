@@ -23,6 +23,7 @@ from typing import Any, cast
 
 import redis.asyncio as aioredis
 import redis.exceptions
+
 from remesh.coordinator.errors import Conflict, StoreUnavailable
 from remesh.coordinator.model import ClusterState, Event, Member, Topology, replay
 

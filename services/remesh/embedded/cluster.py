@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import grpc
+
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
 
