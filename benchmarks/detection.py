@@ -38,6 +38,7 @@ from pathlib import Path
 
 import grpc
 
+from remesh.cli._logging import configure_logging
 from remesh.embedded import RedisServer
 from remesh.embedded.cluster import LocalCluster, wait_for
 from remesh.v1 import coordinator_pb2 as pb
@@ -213,6 +214,7 @@ def main() -> int:
     parser.add_argument("--load-seconds", type=float, default=120.0, help="length of the busy-cores run")
     parser.add_argument("--seed", type=int, default=7)
     args = parser.parse_args()
+    configure_logging(level="warning")  # logs go to stderr; stdout is the table and the JSON line
     rng = random.Random(args.seed)
     results: dict[str, Samples] = {}
     with tempfile.TemporaryDirectory(prefix="remesh-bench-") as tmp, RedisServer(appendonly=False) as redis:

@@ -12,8 +12,7 @@ from typing import Any
 
 import structlog
 
-from remesh.coordinator import PlannerSettings, Settings, serve
-from remesh.coordinator.errors import StoreUnavailable
+from remesh.coordinator.settings import PlannerSettings, Settings
 
 log = structlog.get_logger("remesh.cli")
 
@@ -108,6 +107,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(settings: Settings, port_file: str | None) -> int:
+    from remesh.coordinator.errors import StoreUnavailable
+    from remesh.coordinator.server import serve
+
     try:
         running = await serve(settings)
     except StoreUnavailable as exc:

@@ -1,9 +1,717 @@
-"""Operator commands: members, topology, events, replay, drain (placeholder, being written)."""
+"""Operator commands: ``remesh members``, ``topology``, ``events``, ``replay`` and ``drain``.
+
+Each command is a thin gRPC client of one coordinator (``--coordinator``, default env
+``REMESH_COORDINATOR`` or 127.0.0.1:50051). People get rich tables and one line per event; scripts
+pass ``--json`` and get one JSON document, or JSON lines for the streaming commands (``events``,
+``topology --watch``). Formatting, ``--since`` parsing and the replay comparison are pure functions;
+the command functions only call the coordinator and print.
+
+Exit codes: 0 success; 1 the coordinator refused or could not be reached (one line on stderr with
+the gRPC status, the server's message and what to do), or ``replay`` found a difference; 2 bad usage.
+gRPC errors are translated to that line in one place, ``_describe_rpc_error``.
+"""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import enum
+import json
+import os
+import re
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
+
+import grpc
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from remesh.coordinator import convert
+from remesh.coordinator.model import ClusterState, EventType, Member, MemberState, Topology, replay
+from remesh.v1 import coordinator_pb2 as pb
+from remesh.v1 import coordinator_pb2_grpc as pb_grpc
+
+__all__ = ["Difference", "add_parsers", "compare", "format_age", "parse_since"]
+
+_DEFAULT_ADDRESS = "127.0.0.1:50051"
+# Long enough for a coordinator under load, short enough that a wrong address fails while you wait.
+_DEFAULT_TIMEOUT_S = 10.0
+_EVENT_ID = re.compile(r"^\d+(-\d+)?$")
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([smhdw])", re.IGNORECASE)
+_DURATIONS = re.compile(rf"(?:\s*{_DURATION.pattern})+\s*", re.IGNORECASE)
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+# A replay whose log grew while the live state was read is compared again, this many times.
+_REPLAY_ATTEMPTS = 3
+
+_STATE_STYLE = {
+    "joining": "cyan",
+    "alive": "green",
+    "suspect": "yellow",
+    "dead": "bold red",
+    "left": "dim",
+    "draining": "magenta",
+}
+_EVENT_STYLE = {
+    "member_joined": "cyan",
+    "member_rejoined": "cyan",
+    "member_alive": "green",
+    "member_suspect": "yellow",
+    "member_dead": "bold red",
+    "member_left": "dim",
+    "member_draining": "magenta",
+    "fault_reported": "red",
+    "topology_changed": "bold blue",
+    "epoch_live": "blue",
+    "job_waiting": "yellow",
+    "job_halted": "bold red",
+}
+
+_HINTS: dict[grpc.StatusCode, str] = {
+    grpc.StatusCode.UNAVAILABLE: (
+        "is the coordinator running at {address}? Start it with `remesh coordinator`, or point "
+        "--coordinator / REMESH_COORDINATOR at the right host:port"
+    ),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (
+        "the coordinator at {address} did not answer within the deadline; check the address, or raise --timeout"
+    ),
+    grpc.StatusCode.NOT_FOUND: "list the known hosts with `remesh members`",
+    grpc.StatusCode.FAILED_PRECONDITION: (
+        "the coordinator refuses this in the current state; see `remesh members` and `remesh events`"
+    ),
+    grpc.StatusCode.INVALID_ARGUMENT: "fix the arguments; see --help",
+    grpc.StatusCode.ABORTED: "the state changed while the coordinator worked on it; run the command again",
+    grpc.StatusCode.UNIMPLEMENTED: "is {address} a remesh coordinator of a compatible version?",
+}
+
+
+# ---- pure helpers ---------------------------------------------------------------------------------
+
+
+def parse_since(text: str, now: float) -> float:
+    """``--since``: a duration back from ``now`` ("30s", "10m", "1h30m", "2d"), a Unix time
+    ("1733150000"), or an ISO 8601 time ("2024-12-02T14:00:00", local time unless it has an offset).
+    """
+    value = text.strip()
+    if not value:
+        raise ValueError("empty --since: give a duration such as 10m or a Unix time")
+    if _DURATIONS.fullmatch(value):
+        seconds = sum(float(n) * _UNIT_S[u.lower()] for n, u in _DURATION.findall(value))
+        return max(0.0, now - seconds)
+    try:
+        stamp = float(value)
+    except ValueError:
+        pass
+    else:
+        if stamp < 0:
+            raise ValueError(f"--since {text!r} is negative")
+        return stamp
+    try:
+        return datetime.fromisoformat(value).timestamp()
+    except ValueError:
+        raise ValueError(
+            f"--since {text!r} is neither a duration (30s, 10m, 1h, 2d), a Unix time nor an ISO 8601 time"
+        ) from None
+
+
+def format_age(seconds_ago: float) -> str:
+    """A short, human age: "4s ago", "12m ago", "3h ago", "2d ago"."""
+    if seconds_ago < 0:
+        return "in the future"
+    if seconds_ago < 1:
+        return "just now"
+    for limit, unit, size in ((60, "s", 1), (3600, "m", 60), (86400, "h", 3600)):
+        if seconds_ago < limit:
+            return f"{int(seconds_ago // size)}{unit} ago"
+    return f"{int(seconds_ago // 86400)}d ago"
+
+
+def format_time(stamp: float) -> str:
+    """Local wall-clock time with milliseconds, sortable."""
+    return datetime.fromtimestamp(stamp).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-able copy of a model value (dataclasses, tuples, enums)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return value
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One place where the replayed event log and the coordinator's live state disagree."""
+
+    subject: str  # "member HOST" or "topology"
+    field: str  # a field name, or "record" when one side has no record at all
+    replayed: Any
+    live: Any
+
+    def __str__(self) -> str:
+        return f"{self.subject}: {self.field}: replayed {json.dumps(self.replayed)}, live {json.dumps(self.live)}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"subject": self.subject, "field": self.field, "replayed": self.replayed, "live": self.live}
+
+
+def _record_summary(record: Member | Topology | None) -> Any:
+    if record is None:
+        return None
+    if isinstance(record, Member):
+        return f"{record.state.value}, incarnation {record.incarnation}"
+    return f"epoch {record.epoch}"
+
+
+def _field_differences(subject: str, replayed: Any, live: Any) -> list[Difference]:
+    if replayed is None or live is None:
+        if replayed is live:
+            return []
+        return [Difference(subject, "record", _record_summary(replayed), _record_summary(live))]
+    return [
+        Difference(subject, f.name, _plain(getattr(replayed, f.name)), _plain(getattr(live, f.name)))
+        for f in dataclasses.fields(replayed)
+        if getattr(replayed, f.name) != getattr(live, f.name)
+    ]
+
+
+def compare(
+    replayed: ClusterState, members: Mapping[str, Member], topology: Topology | None
+) -> list[Difference]:
+    """Every difference between the state folded from the log and the live members and topology."""
+    differences: list[Difference] = []
+    for host in sorted(set(replayed.members) | set(members)):
+        differences += _field_differences(f"member {host}", replayed.members.get(host), members.get(host))
+    differences += _field_differences("topology", replayed.topology, topology)
+    return differences
+
+
+def _enum_name(enum_type: Any, value: int, prefix: str) -> str:
+    """``MEMBER_STATE_ALIVE`` -> ``alive``; a number this CLI does not know stays a number."""
+    try:
+        return str(enum_type.Name(value)).removeprefix(prefix).lower()
+    except ValueError:
+        return str(value)
+
+
+def _member_dict(msg: pb.Member, *, with_step: bool = True) -> dict[str, Any]:
+    d: dict[str, Any] = {
+        "host_id": msg.host_id,
+        "incarnation": msg.incarnation,
+        "role": _enum_name(pb.Role, msg.role, "ROLE_"),
+        "state": _enum_name(pb.MemberState, msg.state, "MEMBER_STATE_"),
+        "device_count": msg.device_count,
+        "address": msg.address,
+        "rank": msg.rank,
+        "reason": msg.reason,
+        "updated_at": msg.updated_at,
+    }
+    if with_step:
+        d["last_step"] = msg.last_step
+    return d
+
+
+def _topology_dict(msg: pb.Topology) -> dict[str, Any]:
+    return {
+        "epoch": msg.epoch,
+        "world_size": len(msg.members),
+        "mesh_shape": list(msg.mesh_shape),
+        "jax_coordinator_address": msg.jax_coordinator_address,
+        "restore_step": msg.restore_step,
+        "reason": msg.reason,
+        "created_at": msg.created_at,
+        "halted": msg.halted,
+        "job_id": msg.job_id,
+        "members": [
+            {"host_id": m.host_id, "rank": m.rank, "device_count": m.device_count, "address": m.address}
+            for m in msg.members
+        ],
+    }
+
+
+def _event_dict(msg: pb.Event) -> dict[str, Any]:
+    return {
+        "id": msg.id,
+        "type": _enum_name(pb.EventType, msg.type, "EVENT_TYPE_"),
+        "time": msg.time,
+        "host_id": msg.host_id,
+        "incarnation": msg.incarnation,
+        "epoch": msg.epoch,
+        "reason": msg.reason,
+        "details": dict(msg.details),
+        "member": _member_dict(msg.member, with_step=False) if msg.HasField("member") else None,
+        "topology": _topology_dict(msg.topology) if msg.HasField("topology") else None,
+    }
+
+
+def _describe_rpc_error(exc: grpc.RpcError, address: str) -> str:
+    """The one line an operator sees for a gRPC error: status, the server's message, what to do."""
+    if not isinstance(exc, grpc.Call):
+        return f"gRPC error talking to {address}: {exc}"
+    code = exc.code()
+    details = (exc.details() or "").strip() or "no details"
+    hint = _HINTS.get(code, "")
+    if code is grpc.StatusCode.UNAVAILABLE and "redis" in details.lower():
+        # The coordinator answered: it is its store that is down, not the coordinator.
+        hint = (
+            "the coordinator is up but cannot reach Redis; check redis-server and the coordinator's --redis"
+        )
+    line = f"{code.name} from the coordinator at {address}: {details}"
+    return f"{line}; hint: {hint.format(address=address)}" if hint else line
+
+
+# ---- output ---------------------------------------------------------------------------------------
+
+
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        # rich exits 1 here; a reader that went away (`| head`) is no failure: let ``_run`` end quietly.
+        raise BrokenPipeError
+
+
+def _console() -> Console:
+    # Wide enough that piped tables are not cut at rich's default of 80 columns.
+    width = None if sys.stdout.isatty() else int(os.environ.get("COLUMNS") or 160)
+    return _Console(highlight=False, width=width)
+
+
+def _emit_json(doc: Any) -> None:
+    sys.stdout.write(json.dumps(doc, sort_keys=False) + "\n")
+    sys.stdout.flush()
+
+
+def _state_text(state: str) -> Text:
+    return Text(state, style=_STATE_STYLE.get(state, ""))
+
+
+def _dash(value: int) -> str:
+    return "-" if value < 0 else str(value)
+
+
+def _members_table(members: Sequence[pb.Member], epoch: int, now: float) -> Table:
+    table = Table(title=f"{len(members)} member(s), epoch {epoch}", title_justify="left", expand=False)
+    for name, justify in (
+        ("host", "left"),
+        ("rank", "right"),
+        ("role", "left"),
+        ("state", "left"),
+        ("incarnation", "right"),
+        ("devices", "right"),
+        ("last step", "right"),
+        ("reason", "left"),
+        ("updated", "right"),
+    ):
+        table.add_column(name, justify=justify, overflow="fold")  # type: ignore[arg-type]
+    for m in members:
+        table.add_row(
+            m.host_id,
+            _dash(m.rank),
+            _enum_name(pb.Role, m.role, "ROLE_"),
+            _state_text(_enum_name(pb.MemberState, m.state, "MEMBER_STATE_")),
+            str(m.incarnation),
+            str(m.device_count),
+            _dash(m.last_step),
+            m.reason,
+            format_age(now - m.updated_at) if m.updated_at else "-",
+        )
+    return table
+
+
+def _print_topology(console: Console, msg: pb.Topology, now: float) -> None:
+    if msg.epoch == 0:
+        console.print(Text(f"epoch 0: {msg.reason or 'no topology yet'}", style="yellow"))
+        return
+    head = Text(f"epoch {msg.epoch}", style="bold")
+    if msg.halted:
+        head.append("  HALTED", style="bold red")
+    console.print(head)
+    mesh = " x ".join(str(n) for n in msg.mesh_shape) or "-"
+    restore = "from scratch" if msg.restore_step < 0 else f"step {msg.restore_step}"
+    info = Table.grid(padding=(0, 2))
+    info.add_column(style="dim")
+    info.add_column()
+    info.add_row("world size", str(len(msg.members)))
+    info.add_row("mesh shape", mesh)
+    info.add_row("jax coordinator", msg.jax_coordinator_address or "-")
+    info.add_row("restore", restore)
+    info.add_row("reason", msg.reason)
+    info.add_row("created", f"{format_time(msg.created_at)} ({format_age(now - msg.created_at)})")
+    if msg.job_id:
+        info.add_row("job", msg.job_id)
+    console.print(info)
+    if msg.members:
+        ranks = Table(expand=False)
+        ranks.add_column("rank", justify="right")
+        ranks.add_column("host")
+        ranks.add_column("devices", justify="right")
+        ranks.add_column("address")
+        for m in msg.members:
+            ranks.add_row(str(m.rank), m.host_id, str(m.device_count), m.address or "-")
+        console.print(ranks)
+
+
+def _event_line(msg: pb.Event) -> Text:
+    kind = _enum_name(pb.EventType, msg.type, "EVENT_TYPE_")
+    line = Text(format_time(msg.time), style="dim")
+    line.append("  ")
+    line.append(f"{kind:<16}", style=_EVENT_STYLE.get(kind, ""))
+    line.append(f"  {msg.host_id or '-':<16}  epoch {msg.epoch:<4}  ")
+    line.append(msg.reason)
+    return line
+
+
+# ---- commands -------------------------------------------------------------------------------------
+
+
+def _stub(channel: grpc.Channel) -> Any:
+    return pb_grpc.CoordinatorStub(channel)
+
+
+def _follow(stream: Any, each: Callable[[Any], None]) -> None:
+    """Hand each message of a server stream to ``each`` until the stream ends or Ctrl-C ends it."""
+    try:
+        for msg in stream:
+            each(msg)
+    except KeyboardInterrupt:
+        stream.cancel()
+
+
+def _members(args: argparse.Namespace, channel: grpc.Channel) -> int:
+    states = [getattr(pb, f"MEMBER_STATE_{s.upper()}") for s in args.state or ()]
+    reply = _stub(channel).ListMembers(pb.ListMembersRequest(states=states), timeout=args.timeout)
+    if args.json:
+        _emit_json({"epoch": reply.epoch, "members": [_member_dict(m) for m in reply.members]})
+        return 0
+    _console().print(_members_table(reply.members, reply.epoch, time.time()))
+    return 0
+
+
+def _topology(args: argparse.Namespace, channel: grpc.Channel) -> int:
+    stub = _stub(channel)
+    if not args.watch:
+        msg = stub.GetTopology(pb.GetTopologyRequest(), timeout=args.timeout)
+        if args.json:
+            _emit_json(_topology_dict(msg))
+        else:
+            _print_topology(_console(), msg, time.time())
+        return 0
+    console = _console()
+
+    def show(msg: pb.Topology) -> None:
+        if args.json:
+            _emit_json(_topology_dict(msg))
+        else:
+            _print_topology(console, msg, time.time())
+            console.print()
+
+    _follow(stub.WatchTopology(pb.WatchTopologyRequest(after_epoch=0)), show)
+    return 0
+
+
+def _events(args: argparse.Namespace, channel: grpc.Channel) -> int:
+    request = pb.ReplayEventsRequest(
+        after_id=args.after or "",
+        since=args.since or 0.0,
+        host_ids=args.host or [],
+        types=[getattr(pb, f"EVENT_TYPE_{t.upper()}") for t in args.type or ()],
+        follow=args.follow,
+    )
+    stream = _stub(channel).ReplayEvents(request, timeout=None if args.follow else args.timeout)
+    console = _console()
+    shown = 0
+
+    def show(msg: pb.Event) -> None:
+        nonlocal shown
+        shown += 1
+        if args.json:
+            _emit_json(_event_dict(msg))
+        else:
+            console.print(_event_line(msg), soft_wrap=True)
+            sys.stdout.flush()
+
+    _follow(stream, show)
+    if not shown and not args.json and not args.follow:
+        print("no matching events", file=sys.stderr)
+    return 0
+
+
+def _read_log_and_live(
+    stub: Any, timeout: float
+) -> tuple[list[pb.Event], pb.ListMembersResponse, pb.Topology, bool]:
+    """The whole event log and the live state, read so that no event landed in between (if possible).
+
+    The log is read before and after the live state; when it grew meanwhile the comparison would
+    chase a moving target, so the reads are repeated. The last flag says whether they settled.
+    """
+    log: list[pb.Event] = []
+    members = pb.ListMembersResponse()
+    topology = pb.Topology()
+    for _ in range(_REPLAY_ATTEMPTS):
+        log = list(stub.ReplayEvents(pb.ReplayEventsRequest(), timeout=timeout))
+        members = stub.ListMembers(pb.ListMembersRequest(), timeout=timeout)
+        topology = stub.GetTopology(pb.GetTopologyRequest(), timeout=timeout)
+        after = log[-1].id if log else "0-0"
+        tail = list(stub.ReplayEvents(pb.ReplayEventsRequest(after_id=after), timeout=timeout))
+        if not tail:
+            return log, members, topology, True
+    return log, members, topology, False
+
+
+def _replay(args: argparse.Namespace, channel: grpc.Channel) -> int:
+    log, live_members, live_topology, settled = _read_log_and_live(_stub(channel), args.timeout)
+    try:
+        events = [convert.event_from_pb(e) for e in log]
+        members = {m.host_id: convert.member_from_pb(m) for m in live_members.members}
+    except ValueError as exc:
+        print(
+            f"error: cannot read the coordinator's records: {exc} (is this remesh too old?)", file=sys.stderr
+        )
+        return 1
+    state = replay(events)
+    topology = convert.topology_from_pb(live_topology)
+    differences = compare(state, members, topology)
+    if args.json:
+        _emit_json(
+            {
+                "matches": not differences,
+                "events": len(events),
+                "replayed_epoch": state.epoch,
+                "live_epoch": live_topology.epoch,
+                "settled": settled,
+                "differences": [d.to_dict() for d in differences],
+            }
+        )
+        return 1 if differences else 0
+    console = _console()
+    if not differences:
+        console.print(f"replay matches the live state ({len(events)} events, epoch {state.epoch})")
+        return 0
+    table = Table(
+        title=(
+            f"replay of {len(events)} events differs from the live state in {len(differences)} place(s) "
+            f"(replayed epoch {state.epoch}, live epoch {live_topology.epoch})"
+        ),
+        title_justify="left",
+    )
+    for name in ("record", "field", "replayed", "live"):
+        table.add_column(name, overflow="fold")
+    for d in differences:
+        table.add_row(d.subject, d.field, json.dumps(d.replayed), json.dumps(d.live))
+    console.print(table)
+    if not settled:
+        console.print("note: the event log kept growing while it was read; run `remesh replay` again")
+    return 1
+
+
+def _drain(args: argparse.Namespace, channel: grpc.Channel) -> int:
+    reply = _stub(channel).Drain(pb.DrainRequest(host_id=args.host, reason=args.reason), timeout=args.timeout)
+    if args.json:
+        _emit_json(_member_dict(reply.member))
+        return 0
+    m = reply.member
+    state = _enum_name(pb.MemberState, m.state, "MEMBER_STATE_")
+    line = Text(f"{m.host_id} is ")
+    line.append(_state_text(state))
+    line.append(f": {m.reason}")
+    console = _console()
+    console.print(line)
+    if state == MemberState.DRAINING.value:
+        console.print(
+            "the planner replaces it like a failed host and its agent is told to stop and leave; "
+            "follow with `remesh events --follow`",
+            style="dim",
+        )
+    return 0
+
+
+def _run(command: Callable[[argparse.Namespace, grpc.Channel], int]) -> Callable[[argparse.Namespace], int]:
+    """Open the channel, run ``command``, and turn expected failures into one line and an exit code."""
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            with grpc.insecure_channel(args.coordinator) as channel:
+                return command(args, channel)
+        except grpc.RpcError as exc:
+            print(f"error: {_describe_rpc_error(exc, args.coordinator)}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            # Ctrl-C is how a stream that follows ends; anywhere else it is an interruption (130).
+            if getattr(args, "follow", False) or getattr(args, "watch", False):
+                return 0
+            raise
+        except BrokenPipeError:
+            # The reader went away (`| head`): stop quietly, and keep Python from complaining at exit.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            return 0
+
+    return run
+
+
+# ---- argument parsing -----------------------------------------------------------------------------
+
+
+def _since_arg(text: str) -> float:
+    try:
+        return parse_since(text, time.time())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _event_id_arg(text: str) -> str:
+    if not _EVENT_ID.match(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an event id like 1733150000000-0 (see `events --json`)"
+        )
+    return text
+
+
+def _timeout_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError("the timeout must be positive")
+    return value
+
+
+def _common(default_address: str) -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        default=default_address,
+        help=f"the coordinator's gRPC address (default: $REMESH_COORDINATOR, else {_DEFAULT_ADDRESS})",
+    )
+    common.add_argument("--json", action="store_true", help="print JSON for scripts instead of tables")
+    common.add_argument(
+        "--timeout",
+        type=_timeout_arg,
+        default=_DEFAULT_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"deadline of each call (default {_DEFAULT_TIMEOUT_S:g}s; streams that follow have none)",
+    )
+    return common
+
+
+def _para(text: str) -> str:
+    """A description paragraph, wrapped by hand: the raw formatter keeps the epilog's examples as typed."""
+    return textwrap.fill(text, width=88)
+
+
+def _choices(values: Iterable[str]) -> list[str]:
+    return sorted(values)
 
 
 def add_parsers(sub: Any) -> None:
-    return None
+    """Register the operator subcommands on the ``remesh`` parser."""
+    common = _common(os.environ.get("REMESH_COORDINATOR") or _DEFAULT_ADDRESS)
+    fmt = argparse.RawDescriptionHelpFormatter
+
+    p = sub.add_parser(
+        "members",
+        parents=[common],
+        formatter_class=fmt,
+        help="list the job's members and their states",
+        description=_para(
+            "List every member the coordinator knows: rank, role, state, incarnation, devices, "
+            "last reported step, why it is in its state and when that changed."
+        ),
+        epilog="examples:\n  remesh members\n  remesh members --state suspect dead\n  remesh members --json | jq",
+    )
+    p.add_argument(
+        "--state",
+        nargs="+",
+        action="extend",
+        choices=_choices(s.value for s in MemberState),
+        metavar="STATE",
+        help="only members in these states: " + ", ".join(s.value for s in MemberState),
+    )
+    p.set_defaults(run=_run(_members))
+
+    p = sub.add_parser(
+        "topology",
+        parents=[common],
+        formatter_class=fmt,
+        help="show the current topology epoch (or watch it change)",
+        description=_para(
+            "Show the current topology: epoch, world size, mesh shape, the JAX coordinator "
+            "address, the step every member restores from, why it exists, and the ranks."
+        ),
+        epilog="examples:\n  remesh topology\n  remesh topology --watch          (Ctrl-C to stop)\n"
+        "  remesh topology --watch --json   (one JSON line per epoch)",
+    )
+    p.add_argument("--watch", action="store_true", help="keep printing each new epoch until Ctrl-C")
+    p.set_defaults(run=_run(_topology))
+
+    p = sub.add_parser(
+        "events",
+        parents=[common],
+        formatter_class=fmt,
+        help="print the event log (membership and topology changes)",
+        description=_para(
+            "Print the job's event log, one line per event: time, type, host, the epoch after "
+            "the event, and the reason. With --json, one JSON object per line (also without --follow). "
+            "A topology event matches --host when the topology names that host."
+        ),
+        epilog="examples:\n  remesh events --since 10m\n  remesh events --follow --type member_dead topology_changed\n"
+        "  remesh events --host host-3 --json\n  remesh events --after 1733150000000-0 --follow",
+    )
+    p.add_argument(
+        "--since",
+        type=_since_arg,
+        metavar="WHEN",
+        help="only events from then on: a duration back from now (30s, 10m, 1h30m, 2d), a Unix time, "
+        "or an ISO 8601 time",
+    )
+    p.add_argument("--after", type=_event_id_arg, metavar="ID", help="only events after this event id")
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing new events until Ctrl-C")
+    p.add_argument("--host", nargs="+", action="extend", metavar="HOST", help="only events of these hosts")
+    p.add_argument(
+        "--type",
+        nargs="+",
+        action="extend",
+        choices=_choices(t.value for t in EventType),
+        metavar="TYPE",
+        help="only events of these types: " + ", ".join(t.value for t in EventType),
+    )
+    p.set_defaults(run=_run(_events))
+
+    p = sub.add_parser(
+        "replay",
+        parents=[common],
+        formatter_class=fmt,
+        help="check that replaying the event log rebuilds the live state",
+        description=_para(
+            "Read the whole event log, fold it with the coordinator's pure replay, and compare "
+            "the result with the live members and topology. Exits 0 when they match and 1 when they "
+            "differ, listing each difference (last_step is progress, not state, and is not compared)."
+        ),
+    )
+    p.set_defaults(run=_run(_replay))
+
+    p = sub.add_parser(
+        "drain",
+        parents=[common],
+        formatter_class=fmt,
+        help="take a host out of the topology and ask it to leave",
+        description=_para(
+            "Drain a host: the planner replaces it like a failed host (a new epoch), then its "
+            "agent is told to stop its trainer and leave. Draining a draining host changes nothing."
+        ),
+        epilog='example:\n  remesh drain host-3 --reason "kernel upgrade"',
+    )
+    p.add_argument("host", metavar="HOST", help="the host id, as `remesh members` shows it")
+    p.add_argument("--reason", default="", help="why (recorded in the member and the event log)")
+    p.set_defaults(run=_run(_drain))

@@ -9,6 +9,8 @@ Layers, inner to outer (an inner one never imports an outer one):
 - ``convert``, ``server``: the gRPC adapter.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from remesh.coordinator.model import (
     ClusterState,
     Event,
@@ -19,8 +21,10 @@ from remesh.coordinator.model import (
     Topology,
     replay,
 )
-from remesh.coordinator.server import RunningCoordinator, serve
 from remesh.coordinator.settings import DetectorSettings, PlannerSettings, Settings
+
+if TYPE_CHECKING:
+    from remesh.coordinator.server import RunningCoordinator, serve
 
 __all__ = [
     "ClusterState",
@@ -37,3 +41,12 @@ __all__ = [
     "replay",
     "serve",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The server pulls in grpc.aio and Redis; the operator commands, which need only the model, skip it.
+    if name in ("serve", "RunningCoordinator"):
+        from remesh.coordinator import server
+
+        return getattr(server, name)
+    raise AttributeError(name)

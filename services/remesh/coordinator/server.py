@@ -280,7 +280,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         store = self._c.store
         try:
             events = await store.read_events(request.after_id, request.since)
-            last = events[-1].id if events else (request.after_id or await store.last_event_id())
+            # Follow on from exactly where the read stopped, so an event committed in between is not lost.
+            start = f"{max(0, int(request.since * 1000) - 1)}-0" if request.since else "0-0"
+            last = events[-1].id if events else (request.after_id or start)
         except StoreUnavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         for event in events:

@@ -175,13 +175,6 @@ class RedisStore:
         finally:
             await client.aclose()
 
-    async def last_event_id(self) -> str:
-        try:
-            entries = await self._redis.xrevrange(self.keys["events"], count=1)
-        except (redis.exceptions.RedisError, OSError) as exc:
-            raise _translate(exc, self.url) from exc
-        return str(entries[0][0]) if entries else "0-0"
-
     async def write_progress(self, steps: Mapping[str, int]) -> None:
         if not steps:
             return
