@@ -77,6 +77,11 @@ class Agent:
         self._stopping = asyncio.Event()
         self._trainer_watch: asyncio.Task[None] | None = None
         self._shutdown_task: asyncio.Task[None] | None = None
+        # The trainer exited 0: its run is complete and it is not started again.
+        self._finished = False
+        # Set by a progress report: the next heartbeat goes out at once, so the coordinator knows
+        # every member's last step within milliseconds (it picks the restore step from them).
+        self._progress = asyncio.Event()
 
     # ---- coordinator connection ------------------------------------------------------------------
 
@@ -196,7 +201,9 @@ class Agent:
                 sent_at=time.time(),
             )
             self._check_hang()
-            await asyncio.sleep(interval)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._progress.wait(), interval)
+            self._progress.clear()
 
     # ---- trainer supervision ---------------------------------------------------------------------
 
@@ -238,12 +245,12 @@ class Agent:
         if topology.halted:
             await self._stop_trainer("job halted")
             raise AgentExit(f"job halted: {topology.reason}", code=3)
-        if rank < 0:
-            await self._stop_trainer(f"not in epoch {topology.epoch}")
-            return
         trainer = self.trainer
         idle = trainer is None or not trainer.running()
-        if idle and (self._restart_after_epoch is None or topology.epoch > self._restart_after_epoch):
+        waiting = self._restart_after_epoch is not None and topology.epoch <= self._restart_after_epoch
+        if idle and not waiting and not self._finished:
+            # Spares run their trainer too, in standby (JAX imported, waiting for a rank): a hot
+            # spare joins a new epoch without paying for a process start.
             await self._start_trainer(topology, rank)
         # A running trainer sees the new epoch through the local API and re-meshes in-process.
 
@@ -296,15 +303,15 @@ class Agent:
             stopped=result.stopped,
             hung=result.hung,
         )
-        if result.stopped or (result.returncode == 0 and not result.hung):
+        if result.stopped:
             return
-        rank = rank_of(self.topology, self.settings.host_id)
+        if result.returncode == 0 and not result.hung:
+            self._finished = True
+            self.log.info("trainer finished its run; it is not restarted")
+            return
         if result.returncode == RESTART_EXIT_CODE and not result.hung:
             # The trainer asked for a fresh process on the current topology: no fault.
-            if rank >= 0 and self.topology.epoch > result.epoch:
-                await self._start_trainer(self.topology, rank)
-            else:
-                self._restart_after_epoch = result.epoch
+            await self._start_trainer(self.topology, rank_of(self.topology, self.settings.host_id))
             return
         await self._report_fault(result, detail="")
 
@@ -329,17 +336,24 @@ class Agent:
         self.log.info("fault reported", member_dead=reply.member_dead, reason=reply.reason)
         if reply.member_dead:
             return  # the coordinator replaces this host and tells the agent to register again
-        rank = rank_of(self.topology, self.settings.host_id)
-        if rank >= 0 and self.topology.epoch > result.epoch:
-            await self._start_trainer(self.topology, rank)
+        if self.topology.epoch > result.epoch:
+            await self._start_trainer(self.topology, rank_of(self.topology, self.settings.host_id))
         else:
             self._restart_after_epoch = result.epoch
 
     # ---- local API helpers -----------------------------------------------------------------------
 
-    def report_progress(self, step: int) -> int:
-        if step > self.last_step or step < self.last_step - 1:
+    def _trainer_runs(self, epoch: int) -> None:
+        # A trainer starts in one epoch and may move on in-process: faults are charged to the epoch
+        # it last said it runs.
+        if self.trainer is not None and epoch > self.trainer.epoch:
+            self.trainer.epoch = epoch
+
+    def report_progress(self, step: int, epoch: int) -> int:
+        self._trainer_runs(epoch)
+        if step != self.last_step:
             self.last_progress = time.monotonic()
+            self._progress.set()
         self.last_step = step
         return int(self.topology.epoch)
 
@@ -356,10 +370,10 @@ class Agent:
             timeout=5,
         )
         self.last_progress = time.monotonic()
+        self._trainer_runs(request.epoch)
         if request.restored_step >= 0:
-            self.last_step = (
-                max(self.last_step, request.restored_step) if request.epoch else request.restored_step
-            )
+            self.last_step = request.restored_step  # the trainer resumes from there
+            self._progress.set()
         return bool(reply.live)
 
     async def newer_epoch(self, epoch: int) -> int:
@@ -396,7 +410,9 @@ class _LocalApi(apb_grpc.AgentLocalServicer):
     async def ReportProgress(
         self, request: apb.ReportProgressRequest, context: grpc.aio.ServicerContext
     ) -> apb.ReportProgressResponse:
-        return apb.ReportProgressResponse(current_epoch=self._agent.report_progress(request.step))
+        return apb.ReportProgressResponse(
+            current_epoch=self._agent.report_progress(request.step, request.epoch)
+        )
 
     async def AckEpoch(
         self, request: apb.LocalAckRequest, context: grpc.aio.ServicerContext

@@ -51,6 +51,7 @@ class TrainerProcess:
     def __init__(self, command: Sequence[str], env: Mapping[str, str], epoch: int) -> None:
         self.command = list(command)
         self.env = dict(env)
+        # The epoch it was started for, then the newest it reported running (see Agent._trainer_runs).
         self.epoch = epoch
         self.process: asyncio.subprocess.Process | None = None
         self.started_at = 0.0
