@@ -91,16 +91,21 @@ class Job:
         job_id = f"bench-{uuid.uuid4().hex[:8]}"
         (tmp / job_id).mkdir()
         self.cluster = LocalCluster(tmp / job_id, redis_url, job_id)
-        self.cluster.start_coordinator("--world-size", str(ACTIVE), *coordinator_args)
         self.next_spare = 0
-        for i in range(ACTIVE):
-            self.cluster.start_agent(f"host-{i}")
-        for _ in range(SPARES):
-            self.add_spare()
-        self.cluster.wait_epoch(1, timeout=60)
-        self.wait_steady()
-        self.watchers = [Watcher(self.cluster.address) for _ in range(WATCHERS)]
-        wait_for(lambda: all(1 in w.arrivals for w in self.watchers), 10, "watchers to connect")
+        self.watchers: list[Watcher] = []
+        try:
+            self.cluster.start_coordinator("--world-size", str(ACTIVE), *coordinator_args)
+            for i in range(ACTIVE):
+                self.cluster.start_agent(f"host-{i}")
+            for _ in range(SPARES):
+                self.add_spare()
+            self.cluster.wait_epoch(1, timeout=60)
+            self.wait_steady()
+            self.watchers = [Watcher(self.cluster.address) for _ in range(WATCHERS)]
+            wait_for(lambda: all(1 in w.arrivals for w in self.watchers), 10, "watchers to connect")
+        except BaseException:
+            self.close()  # never leave the processes of a half-started job behind
+            raise
 
     def add_spare(self) -> None:
         self.cluster.start_agent(f"spare-{self.next_spare}", spare=True)
