@@ -1,0 +1,83 @@
+"""remesh.elastic: what a JAX training script imports to survive host failures.
+
+::
+
+    session = Session(init_state=..., train_step=..., batch_for_step=..., devices_per_host=2,
+                      policy=Policy(checkpoint_every=50), checkpoints=[LocalCheckpoints(dir)])
+    for result in session.run(num_steps):
+        ...
+
+Run the script under ``remesh agent``; the session takes its place in every epoch the coordinator
+publishes. Pieces: ``session`` (the loop), ``runtime`` (the JAX distributed runtime of one epoch),
+``snapshots`` (host-memory restore tier), ``checkpoints`` (local and GCS tiers), ``agent_client``
+(the agent's local API). It never imports the coordinator or the agent.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+from remesh.elastic.agent_client import AgentClient, Assignment
+from remesh.elastic.checkpoints import (
+    AlreadyCommitted,
+    CheckpointError,
+    Checkpoints,
+    GcsCheckpoints,
+    LocalCheckpoints,
+    NoViableCheckpoint,
+    StaleEpoch,
+)
+from remesh.elastic.errors import (
+    ElasticError,
+    PeerFailure,
+    Recoverable,
+    RestartProcess,
+    TopologyChanged,
+)
+from remesh.elastic.session import RESTART_EXIT_CODE, Policy, Session, StepResult
+
+__all__ = [
+    "RESTART_EXIT_CODE",
+    "AgentClient",
+    "AlreadyCommitted",
+    "Assignment",
+    "CheckpointError",
+    "Checkpoints",
+    "ElasticError",
+    "GcsCheckpoints",
+    "LocalCheckpoints",
+    "NoViableCheckpoint",
+    "PeerFailure",
+    "Policy",
+    "Recoverable",
+    "RestartProcess",
+    "Session",
+    "StaleEpoch",
+    "StepResult",
+    "TopologyChanged",
+    "gcs_checkpoints_from_url",
+]
+
+
+def gcs_checkpoints_from_url(url: str, staging_dir: str | None = None) -> GcsCheckpoints:
+    """``GcsCheckpoints`` for ``gs://BUCKET/PREFIX``.
+
+    With ``STORAGE_EMULATOR_HOST`` set (a GCS emulator) the client is anonymous; otherwise it uses
+    the machine's default Google credentials.
+    """
+    from google.cloud import storage
+
+    if not url.startswith("gs://") or len(url) <= len("gs://"):
+        raise ValueError(f"{url!r} is not a gs://BUCKET/PREFIX address")
+    bucket, _, prefix = url.removeprefix("gs://").partition("/")
+    client: Any
+    if os.environ.get("STORAGE_EMULATOR_HOST"):
+        from google.auth.credentials import AnonymousCredentials
+
+        client = storage.Client(project="remesh-emulator", credentials=AnonymousCredentials())
+    else:
+        client = storage.Client()
+    staging = staging_dir or tempfile.mkdtemp(prefix="remesh-gcs-staging-")
+    return GcsCheckpoints(bucket, prefix, client, staging)

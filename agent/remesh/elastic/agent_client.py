@@ -1,0 +1,131 @@
+"""The trainer's side of the agent's local API: assignments in, progress and acknowledgements out.
+
+A background thread keeps a WatchAssignments stream open, so checking for a new epoch at a step
+boundary is a memory read, not an RPC.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import grpc
+import structlog
+
+from remesh.v1 import agent_pb2 as apb
+from remesh.v1 import agent_pb2_grpc as apb_grpc
+
+__all__ = ["AgentClient", "Assignment"]
+
+log = structlog.get_logger("remesh.elastic")
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """This host's place in one epoch."""
+
+    epoch: int
+    host_id: str
+    rank: int
+    world_size: int
+    jax_coordinator: str
+    restore_step: int
+    halted: bool = False
+    hosts: tuple[str, ...] = ()
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Assignment:
+        return cls(
+            epoch=int(env["REMESH_EPOCH"]),
+            host_id=env.get("REMESH_HOST_ID", ""),
+            rank=int(env["REMESH_RANK"]),
+            world_size=int(env["REMESH_WORLD_SIZE"]),
+            jax_coordinator=env.get("REMESH_JAX_COORDINATOR", ""),
+            restore_step=int(env.get("REMESH_RESTORE_STEP", "-1")),
+        )
+
+    @classmethod
+    def from_pb(cls, msg: apb.Assignment) -> Assignment:
+        t = msg.topology
+        return cls(
+            epoch=t.epoch,
+            host_id=msg.host_id,
+            rank=msg.rank,
+            world_size=msg.world_size,
+            jax_coordinator=t.jax_coordinator_address,
+            restore_step=t.restore_step,
+            halted=t.halted,
+            hosts=tuple(m.host_id for m in t.members),
+        )
+
+
+class AgentClient:
+    def __init__(self, address: str, first: Assignment) -> None:
+        self.address = address
+        self._channel = grpc.insecure_channel(address)
+        self._stub = apb_grpc.AgentLocalStub(self._channel)
+        self._latest = first
+        self._changed = threading.Condition()
+        self._closed = False
+        self._watch = threading.Thread(target=self._follow, name="remesh-assignments", daemon=True)
+        self._watch.start()
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> AgentClient:
+        env = os.environ if env is None else env
+        if "REMESH_AGENT_ADDRESS" not in env:
+            raise RuntimeError(
+                "REMESH_AGENT_ADDRESS is not set: run the trainer under `remesh agent ... -- COMMAND`"
+            )
+        return cls(env["REMESH_AGENT_ADDRESS"], Assignment.from_env(env))
+
+    def _follow(self) -> None:
+        backoff = 0.05
+        while not self._closed:
+            try:
+                for msg in self._stub.WatchAssignments(apb.WatchAssignmentsRequest(after_epoch=0)):
+                    self._publish(Assignment.from_pb(msg))
+                    backoff = 0.05
+            except grpc.RpcError as exc:
+                if self._closed:
+                    return
+                log.warning("assignment stream lost; retrying", code=exc.code().name, retry_in_s=backoff)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+
+    def _publish(self, assignment: Assignment) -> None:
+        with self._changed:
+            if assignment.epoch > self._latest.epoch:
+                self._latest = assignment
+                self._changed.notify_all()
+
+    @property
+    def latest(self) -> Assignment:
+        return self._latest
+
+    def wait_newer(self, epoch: int, timeout: float) -> Assignment | None:
+        """The first assignment newer than ``epoch``, or None after ``timeout`` seconds."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._latest.epoch > epoch, timeout)
+            return self._latest if self._latest.epoch > epoch else None
+
+    def report_progress(self, step: int, epoch: int) -> int:
+        """Tell the agent a step completed; returns the newest epoch it knows."""
+        reply = self._stub.ReportProgress(apb.ReportProgressRequest(step=step, epoch=epoch), timeout=5)
+        return int(reply.current_epoch)
+
+    def ack(self, epoch: int, restored_step: int, source: str, phases: Mapping[str, float]) -> bool:
+        reply = self._stub.AckEpoch(
+            apb.LocalAckRequest(
+                epoch=epoch, restored_step=restored_step, restore_source=source, phases=dict(phases)
+            ),
+            timeout=10,
+        )
+        return bool(reply.live)
+
+    def close(self) -> None:
+        self._closed = True
+        self._channel.close()

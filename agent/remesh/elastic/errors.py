@@ -1,0 +1,46 @@
+"""The trainer library's errors: one root, split by what the session does about them.
+
+::
+
+    ElasticError
+    ├── Recoverable            the session tears JAX down and enters the next epoch in-process
+    │   ├── TopologyChanged      a new epoch arrived (raised at a step boundary)
+    │   └── PeerFailure          a collective failed or timed out (a peer died): JaxRuntimeError, translated
+    └── RestartProcess         in-process recovery is impossible: exit with RESTART_EXIT_CODE so the
+                               agent starts a fresh process on the current topology
+
+JAX runtime errors are translated into these in one place, ``remesh.elastic.runtime``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ElasticError",
+    "PeerFailure",
+    "Recoverable",
+    "RestartProcess",
+    "TopologyChanged",
+]
+
+
+class ElasticError(Exception):
+    """Root of every error the trainer library raises on purpose."""
+
+
+class Recoverable(ElasticError):
+    pass
+
+
+class TopologyChanged(Recoverable):
+    def __init__(self, old_epoch: int, new_epoch: int) -> None:
+        super().__init__(f"topology changed from epoch {old_epoch} to {new_epoch}")
+        self.old_epoch = old_epoch
+        self.new_epoch = new_epoch
+
+
+class PeerFailure(Recoverable):
+    pass
+
+
+class RestartProcess(ElasticError):
+    pass

@@ -1,0 +1,131 @@
+"""The JAX distributed runtime for one epoch: start, agree, stop — and the one place JAX errors are
+translated into ``remesh.elastic`` errors.
+
+Facts this module is built on (CPU, JAX 0.10): processes join with ``jax.distributed.initialize`` and
+gloo collectives; a collective with a dead peer hangs until ``--xla_cpu_collective_timeout_seconds``
+and then raises ``JaxRuntimeError``; after ``jax.distributed.shutdown()``, ``jax.clear_caches()`` and
+``jax.extend.backend.clear_backends()`` the runtime can be initialised again in the same process for a
+new process count, on a new port (the epoch's address). Arrays from before are invalid afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+
+import jax
+import jax.extend
+import numpy as np
+import structlog
+from jax.errors import JaxRuntimeError
+from jax.sharding import AxisType, Mesh
+
+from remesh.elastic.agent_client import Assignment
+from remesh.elastic.errors import PeerFailure
+
+__all__ = ["Runtime", "configure_cpu", "peer_failures"]
+
+log = structlog.get_logger("remesh.elastic")
+
+
+def configure_cpu(devices_per_host: int, collective_timeout_s: float, cache_dir: str | None) -> None:
+    """Set the process-wide CPU backend options. Must run before JAX creates its first backend."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        flags += f" --xla_force_host_platform_device_count={devices_per_host}"
+    if "xla_cpu_collective_timeout_seconds" not in flags:
+        flags += f" --xla_cpu_collective_timeout_seconds={max(1, round(collective_timeout_s))}"
+    os.environ["XLA_FLAGS"] = flags.strip()
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # A recoverable coordination service does not turn one task's death into an error pushed to every
+    # other task, and lets survivors shut down without waiting for the dead at the shutdown barrier.
+    jax.config.update("jax_enable_recoverability", True)
+    # The preemption sync manager is one more component bound to every peer; remesh has its own signal.
+    jax.config.update("jax_enable_preemption_service", False)
+    if cache_dir:
+        # Re-initialising clears the in-memory cache; the persistent one makes re-compiles cheap.
+        jax.config.update("jax_compilation_cache_dir", cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+@contextlib.contextmanager
+def peer_failures() -> Iterator[None]:
+    """Translate a failed collective into ``PeerFailure``."""
+    try:
+        yield
+    except JaxRuntimeError as exc:
+        raise PeerFailure(
+            f"a collective failed, a peer is probably gone: {str(exc).splitlines()[0]}"
+        ) from exc
+
+
+class Runtime:
+    """The JAX distributed runtime of one epoch."""
+
+    def __init__(self, init_timeout_s: float, shutdown_timeout_s: float = 2.0) -> None:
+        self.init_timeout_s = init_timeout_s
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self.assignment: Assignment | None = None
+        self.mesh: Mesh | None = None
+
+    def start(self, assignment: Assignment) -> Mesh:
+        log.info(
+            "joining the JAX runtime",
+            epoch=assignment.epoch,
+            rank=assignment.rank,
+            world_size=assignment.world_size,
+            address=assignment.jax_coordinator,
+        )
+        with peer_failures():
+            jax.distributed.initialize(
+                coordinator_address=assignment.jax_coordinator,
+                num_processes=assignment.world_size,
+                process_id=assignment.rank,
+                initialization_timeout=max(1, int(self.init_timeout_s)),
+                # We re-initialise long before the coordination service would give up on a dead peer;
+                # a short shutdown timeout keeps a teardown with dead peers from hanging.
+                shutdown_timeout_seconds=max(1, int(self.shutdown_timeout_s)),
+            )
+        self.assignment = assignment
+        # Devices ordered by process, so each process's rows of a batch sharded on "data" are the
+        # contiguous block at its rank.
+        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+        self.mesh = Mesh(np.array(devices), ("data",), axis_types=(AxisType.Auto,))
+        return self.mesh
+
+    def _client(self):  # type: ignore[no-untyped-def]
+        from jax._src import distributed
+
+        return distributed.global_state.client
+
+    def barrier(self, name: str, timeout_s: float) -> None:
+        """Wait for every process of the epoch, through the coordination service (no collective)."""
+        assert self.assignment is not None
+        with peer_failures():
+            self._client().wait_at_barrier(f"remesh/e{self.assignment.epoch}/{name}", int(timeout_s * 1000))
+
+    def allgather_int(self, name: str, value: int, timeout_s: float) -> list[int]:
+        """Every process's ``value``, in rank order, through the coordination service's key-value store."""
+        assert self.assignment is not None
+        prefix = f"remesh/e{self.assignment.epoch}/{name}"
+        client = self._client()
+        with peer_failures():
+            client.key_value_set(f"{prefix}/{self.assignment.rank}", str(value))
+            return [
+                int(client.blocking_key_value_get(f"{prefix}/{r}", int(timeout_s * 1000)))
+                for r in range(self.assignment.world_size)
+            ]
+
+    def stop(self) -> float:
+        """Leave the epoch's runtime; returns the seconds it took. Arrays from this epoch are invalid."""
+        t0 = time.monotonic()
+        try:
+            jax.distributed.shutdown()
+        except Exception as exc:  # a dead peer can fail the shutdown barrier: the runtime is gone anyway
+            log.warning("JAX shutdown reported an error", error=str(exc).splitlines()[0])
+        jax.clear_caches()
+        jax.extend.backend.clear_backends()
+        self.assignment, self.mesh = None, None
+        return time.monotonic() - t0

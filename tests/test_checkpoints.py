@@ -1,0 +1,410 @@
+"""Checkpoint tiers against a real directory and a real fake-gcs-server; Orbax for real.
+
+The last test runs two real JAX processes joined by ``jax.distributed.initialize`` to prove that a
+save or restore by one process alone neither waits for nor disturbs the other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import uuid
+from collections.abc import Iterator, MutableMapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from google.api_core import exceptions as gexc
+from structlog.testing import capture_logs
+
+from remesh.elastic.checkpoints import (
+    AlreadyCommitted,
+    Checkpoints,
+    GcsCheckpoints,
+    LocalCheckpoints,
+    NoViableCheckpoint,
+    StaleEpoch,
+)
+from remesh.embedded import FakeGcsServer, free_port
+
+pytestmark = pytest.mark.integration
+
+
+def make_state(seed: int) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    return {
+        "params": {
+            "w": rng.standard_normal((4, 6)).astype(np.float32),
+            "b": rng.standard_normal(6).astype(np.float64),
+        },
+        "opt": [rng.integers(-100, 100, 5).astype(np.int8), rng.integers(0, 2**31, 3).astype(np.uint32)],
+        "count": np.asarray(seed, dtype=np.int64),
+    }
+
+
+def assert_bitwise_equal(a: Any, b: Any) -> None:
+    import jax
+
+    leaves_a, tree_a = jax.tree_util.tree_flatten(a)
+    leaves_b, tree_b = jax.tree_util.tree_flatten(b)
+    assert str(tree_a) == str(tree_b)
+    for x, y in zip(leaves_a, leaves_b, strict=True):
+        assert isinstance(y, np.ndarray)
+        assert (x.dtype, x.shape) == (y.dtype, y.shape)
+        assert x.tobytes() == y.tobytes()
+
+
+def warnings_about(logs: list[MutableMapping[str, Any]], words: str) -> list[MutableMapping[str, Any]]:
+    return [e for e in logs if e["log_level"] == "warning" and words in e["event"]]
+
+
+# ---- fixtures ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gcs() -> Iterator[FakeGcsServer]:
+    with FakeGcsServer() as server:
+        yield server
+
+
+@pytest.fixture
+def bucket(gcs: FakeGcsServer) -> str:
+    name = f"ckpt-{uuid.uuid4().hex[:12]}"
+    gcs.create_bucket(name)
+    return name
+
+
+def gcs_tier(gcs: FakeGcsServer, bucket: str, staging: Path, prefix: str = "job/ckpt") -> GcsCheckpoints:
+    return GcsCheckpoints(bucket, prefix, gcs.client(), staging)
+
+
+@pytest.fixture(params=["local", "gcs"])
+def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Checkpoints:
+    if request.param == "local":
+        return LocalCheckpoints(tmp_path / "local")
+    server: FakeGcsServer = request.getfixturevalue("gcs")
+    return gcs_tier(server, request.getfixturevalue("bucket"), tmp_path / "staging")
+
+
+# ---- round trips ---------------------------------------------------------------------------------
+
+
+def test_round_trip_is_bitwise(tier: Checkpoints) -> None:
+    tier.save(5, 2, make_state(5), {"data_position": 640, "shard": "a"})
+    tier.save(9, 3, make_state(9), {"data_position": 1152})
+
+    restored = tier.restore()
+    assert (restored.step, restored.epoch, restored.source) == (9, 3, tier.name)
+    assert restored.extra == {"data_position": 1152}
+    assert_bitwise_equal(make_state(9), restored.state)
+
+    older = tier.restore(step=8, target=make_state(0))  # newest at or below 8, in target's structure
+    assert (older.step, older.epoch, older.extra) == (5, 2, {"data_position": 640, "shard": "a"})
+    assert_bitwise_equal(make_state(5), older.state)
+    assert_bitwise_equal(make_state(5), tier.restore_state(5, make_state(0)))
+    assert tier.committed_steps() == [5, 9]
+    assert tier.latest_viable() == 9
+    assert tier.latest_viable(max_step=6) == 5
+    with pytest.raises(NoViableCheckpoint):
+        tier.restore(step=4)
+    with pytest.raises(NoViableCheckpoint):
+        tier.restore_state(7, make_state(0))
+
+
+def test_restore_from_gcs_without_a_local_copy(gcs: FakeGcsServer, bucket: str, tmp_path: Path) -> None:
+    gcs_tier(gcs, bucket, tmp_path / "writer").save(12, 4, make_state(12), {"data_position": 3})
+    assert not list((tmp_path / "writer").rglob("*.ocdbt"))  # nothing kept locally after upload
+
+    fresh = gcs_tier(gcs, bucket, tmp_path / "reader")  # e.g. a spare host that never saw the job
+    restored = fresh.restore()
+    assert (restored.step, restored.epoch, restored.source, restored.extra) == (
+        12,
+        4,
+        "gcs",
+        {"data_position": 3},
+    )
+    assert_bitwise_equal(make_state(12), restored.state)
+
+
+# ---- incomplete and corrupt steps ----------------------------------------------------------------
+
+
+def test_incomplete_local_step_is_ignored_then_replaced(tmp_path: Path) -> None:
+    local = LocalCheckpoints(tmp_path / "ckpt")
+    local.save(1, 1, make_state(1))
+    # A writer killed before its marker: the step's files are all there, the marker is not.
+    scratch = LocalCheckpoints(tmp_path / "scratch")
+    scratch.save(2, 1, make_state(2))
+    shutil.copytree(tmp_path / "scratch" / "step_0000000002", tmp_path / "ckpt" / "step_0000000002")
+    (tmp_path / "ckpt" / "step_0000000002" / "COMMITTED").unlink()
+
+    with capture_logs() as logs:
+        restored = local.restore()
+    assert restored.step == 1
+    assert [e["step"] for e in warnings_about(logs, "incomplete")] == [2]
+    assert local.committed_steps() == [1]
+
+    local.save(2, 1, make_state(2))  # the leftover of the dead writer is replaced
+    assert_bitwise_equal(make_state(2), local.restore().state)
+
+
+def test_writer_killed_mid_upload_is_ignored(gcs: FakeGcsServer, bucket: str, tmp_path: Path) -> None:
+    tier = gcs_tier(gcs, bucket, tmp_path / "staging")
+    tier.save(1, 1, make_state(1))
+    # A writer killed mid-upload: half of step 2's objects arrived, the marker never did.
+    gcs_tier(gcs, bucket, tmp_path / "scratch", prefix="scratch").save(2, 1, make_state(2))
+    client = gcs.client()
+    source = client.bucket(bucket)
+    blobs = [
+        b for b in client.list_blobs(bucket, prefix="scratch/step_0000000002/") if "COMMITTED" not in b.name
+    ]
+    assert len(blobs) > 2
+    for blob in blobs[: len(blobs) // 2]:
+        source.copy_blob(blob, source, blob.name.replace("scratch/", "job/ckpt/", 1))
+
+    with capture_logs() as logs:
+        restored = gcs_tier(gcs, bucket, tmp_path / "reader").restore()
+    assert restored.step == 1
+    assert_bitwise_equal(make_state(1), restored.state)
+    assert [e["step"] for e in warnings_about(logs, "incomplete")] == [2]
+
+    tier.save(2, 1, make_state(2))  # a retry of the step overwrites the partial upload
+    assert_bitwise_equal(make_state(2), gcs_tier(gcs, bucket, tmp_path / "reader2").restore().state)
+
+
+def flip_bytes(data: bytes) -> bytes:
+    middle = len(data) // 2
+    return data[:middle] + bytes(b ^ 0xFF for b in data[middle : middle + 4]) + data[middle + 4 :]
+
+
+def largest_file(step_dir: Path) -> Path:
+    return max(
+        (p for p in step_dir.rglob("*") if p.is_file() and p.name != "COMMITTED"),
+        key=lambda p: p.stat().st_size,
+    )
+
+
+def test_corrupt_local_step_falls_back(tmp_path: Path) -> None:
+    local = LocalCheckpoints(tmp_path / "ckpt")
+    local.save(1, 1, make_state(1))
+    local.save(2, 1, make_state(2))
+    victim = largest_file(tmp_path / "ckpt" / "step_0000000002")
+    victim.write_bytes(flip_bytes(victim.read_bytes()))
+
+    with capture_logs() as logs:
+        restored = local.restore()
+    assert restored.step == 1
+    assert_bitwise_equal(make_state(1), restored.state)
+    assert [e["step"] for e in warnings_about(logs, "corrupt")] == [2]
+    assert local.latest_viable() == 1
+    assert local.committed_steps() == [1, 2]  # still committed: never silently deleted
+
+
+def test_corrupt_gcs_step_falls_back(gcs: FakeGcsServer, bucket: str, tmp_path: Path) -> None:
+    tier = gcs_tier(gcs, bucket, tmp_path / "staging")
+    tier.save(1, 1, make_state(1))
+    tier.save(2, 1, make_state(2))
+    client = gcs.client()
+    blobs = [
+        b for b in client.list_blobs(bucket, prefix="job/ckpt/step_0000000002/") if "COMMITTED" not in b.name
+    ]
+    victim = max(blobs, key=lambda b: b.size)
+    victim.upload_from_string(flip_bytes(victim.download_as_bytes()))  # a fresh, self-consistent object
+
+    with capture_logs() as logs:
+        restored = gcs_tier(gcs, bucket, tmp_path / "reader").restore()
+    assert (restored.step, restored.source) == (1, "gcs")
+    assert_bitwise_equal(make_state(1), restored.state)
+    assert [e["step"] for e in warnings_about(logs, "corrupt")] == [2]
+
+
+def test_step_orbax_cannot_read_falls_back(tmp_path: Path) -> None:
+    local = LocalCheckpoints(tmp_path / "ckpt")
+    local.save(1, 1, make_state(1))
+    local.save(2, 1, make_state(2))
+    # Files that match their marker but are not a checkpoint (a writer bug): Orbax must fail.
+    step_dir = tmp_path / "ckpt" / "step_0000000002"
+    (step_dir / "state" / "_METADATA").write_text("{not json")
+    marker = json.loads((step_dir / "COMMITTED").read_text())
+    data = (step_dir / "state" / "_METADATA").read_bytes()
+    marker["files"]["state/_METADATA"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (step_dir / "COMMITTED").write_text(json.dumps(marker))
+
+    assert local.latest_viable() == 2  # the files match; only reading finds the problem
+    with capture_logs() as logs:
+        restored = local.restore()
+    assert restored.step == 1
+    assert any("orbax" in e["reason"] for e in warnings_about(logs, "corrupt"))
+
+
+# ---- epochs and commit markers -------------------------------------------------------------------
+
+
+def step_files(tier: Checkpoints, step: int) -> list[str]:
+    name = f"step_{step:010d}"
+    if isinstance(tier, LocalCheckpoints):
+        return [str(p) for p in (tier.directory / name).rglob("*")]
+    assert isinstance(tier, GcsCheckpoints)
+    return [b.name for b in tier.bucket.client.list_blobs(tier.bucket, prefix=f"{tier.prefix}/{name}/")]
+
+
+def test_stale_epoch_writer_is_refused(tier: Checkpoints) -> None:
+    tier.save(10, 3, make_state(10), {"data_position": 10})
+
+    with pytest.raises(StaleEpoch):
+        tier.save(11, 2, make_state(99))  # a writer left over from epoch 2
+    assert step_files(tier, 11) == []  # refused before writing anything
+    assert tier.committed_steps() == [10]
+    with pytest.raises((StaleEpoch, AlreadyCommitted)):
+        tier.save(10, 2, make_state(99))
+
+    restored = tier.restore()
+    assert (restored.step, restored.epoch, restored.extra) == (10, 3, {"data_position": 10})
+    assert_bitwise_equal(make_state(10), restored.state)
+    tier.save(11, 3, make_state(11))  # the current epoch goes on writing
+    tier.fence(5)  # a session entering epoch 5 fences out epoch 3 before it writes anything
+    with pytest.raises(StaleEpoch):
+        tier.save(12, 3, make_state(12))
+
+
+def test_resaving_a_committed_step_raises(tier: Checkpoints) -> None:
+    tier.save(10, 1, make_state(10))
+    with pytest.raises(AlreadyCommitted):
+        tier.save(10, 1, make_state(99))
+    with pytest.raises(AlreadyCommitted):
+        tier.save(10, 2, make_state(99))  # not even from a newer epoch
+    assert_bitwise_equal(make_state(10), tier.restore().state)
+
+
+def test_marker_creation_is_create_only(tier: Checkpoints) -> None:
+    """The final guard, below save's own check: two writers racing for one step, one wins."""
+    tier.save(10, 1, make_state(10))
+    with pytest.raises(AlreadyCommitted):
+        tier._create_marker(10, b'{"someone": "else"}')
+    assert tier.restore().step == 10
+
+
+def test_emulator_honours_create_only_preconditions(gcs: FakeGcsServer, bucket: str) -> None:
+    blob = gcs.client().bucket(bucket).blob("marker")
+    blob.upload_from_string(b"first", if_generation_match=0)
+    with pytest.raises(gexc.PreconditionFailed):
+        gcs.client().bucket(bucket).blob("marker").upload_from_string(b"second", if_generation_match=0)
+    assert blob.download_as_bytes() == b"first"
+
+
+def test_a_stale_commit_after_a_newer_epoch_is_not_restored(tmp_path: Path) -> None:
+    """A stale writer that passed the fence just before a newer epoch raised it, and committed."""
+    local = LocalCheckpoints(tmp_path / "ckpt")
+    local.save(100, 4, make_state(100))
+    local.save(110, 5, make_state(110))  # epoch 5 went back to step 100 and moved on
+    LocalCheckpoints(tmp_path / "stale").save(120, 4, make_state(120))  # epoch 4 kept going
+    shutil.copytree(tmp_path / "stale" / "step_0000000120", tmp_path / "ckpt" / "step_0000000120")
+
+    with capture_logs() as logs:
+        restored = local.restore()
+    assert (restored.step, restored.epoch) == (110, 5)
+    assert [e["step"] for e in warnings_about(logs, "stale")] == [120]
+
+
+# ---- two real JAX processes ----------------------------------------------------------------------
+
+WORKER = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    import jax
+    import numpy as np
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    pid, port, work, bucket = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), sys.argv[4]
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid)
+    assert (jax.process_count(), jax.process_index(), len(jax.devices())) == (2, pid, 4)
+
+    from google.cloud import storage
+    from remesh.elastic.checkpoints import GcsCheckpoints, LocalCheckpoints, NotProcessZero
+
+    def wait_for(name):
+        while not (work / name).exists():
+            time.sleep(0.02)
+
+    state = {"w": np.arange(24, dtype=np.float32).reshape(4, 6), "n": np.asarray(7, dtype=np.int64)}
+    # storage.Client() from the environment the test passes (FakeGcsServer.env()).
+    tiers = [LocalCheckpoints(work / "ckpt"), GcsCheckpoints(bucket, "mp", storage.Client(), work / f"staging{pid}")]
+
+    def check(restored):
+        assert (restored.step, restored.epoch, restored.extra) == (7, 1, {"pos": 7}), restored
+        assert all(restored.state[k].tobytes() == state[k].tobytes() for k in state)
+
+    if pid == 0:  # rank 0 saves and restores alone; process 1 sits in a Python loop meanwhile
+        for tier in tiers:
+            tier.save(7, 1, state, {"pos": 7})
+            check(tier.restore())
+        (work / "saved").touch()
+        wait_for("restored")
+    else:  # then process 1 restores alone while process 0 waits
+        wait_for("saved")
+        for tier in tiers:
+            check(tier.restore())
+        try:
+            tiers[0].save(8, 1, state)
+            sys.exit("process 1 saved")
+        except NotProcessZero:
+            pass
+        (work / "restored").touch()
+    jax.distributed.shutdown()
+    print("worker", pid, "ok", flush=True)
+    """
+)
+
+
+def test_save_and_restore_by_one_process_of_a_distributed_job(
+    gcs: FakeGcsServer, bucket: str, tmp_path: Path
+) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    port = free_port()
+    env = {**os.environ, **gcs.env(), "PYTHONUNBUFFERED": "1"}
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for pid in (0, 1):
+            out = (tmp_path / f"worker{pid}.log").open("wb")
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(script), str(pid), str(port), str(tmp_path), bucket],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                )
+            )
+            out.close()
+        codes = [p.wait(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:  # SIGKILL: JAX's preemption notifier swallows SIGTERM
+                os.kill(p.pid, signal.SIGKILL)
+                p.wait()
+    logs = [(tmp_path / f"worker{pid}.log").read_text() for pid in (0, 1)]
+    assert codes == [0, 0], "\n".join(log[-3000:] for log in logs)
+    assert "worker 0 ok" in logs[0] and "worker 1 ok" in logs[1]
+
+    # And this process, which never initialised jax.distributed, reads what rank 0 wrote.
+    restored = LocalCheckpoints(tmp_path / "ckpt").restore()
+    assert restored.step == 7
+    assert restored.state["w"].tobytes() == np.arange(24, dtype=np.float32).reshape(4, 6).tobytes()
+
+
+def test_logs_carry_step_and_epoch(tmp_path: Path) -> None:
+    with capture_logs() as logs:
+        LocalCheckpoints(tmp_path / "ckpt").save(3, 2, make_state(3))
+    committed = [e for e in logs if e["event"] == "checkpoint committed"]
+    assert committed and committed[0]["step"] == 3 and committed[0]["epoch"] == 2
