@@ -7,6 +7,10 @@
              │              │              DRAIN: stop the trainer, leave, exit
              └──backoff─────┘  (stream or coordinator lost: the trainer keeps running)
 
+Beside the active trainer the agent keeps a warm standby process (same command, JAX imported, told
+rank -1): when the active trainer dies as collateral damage (a peer's death aborted its JAX runtime)
+the standby is promoted at once, so the host rejoins without paying for a process start.
+
 The trainer talks to the agent through the local API (``remesh.v1.AgentLocal``) whose address it finds
 in ``REMESH_AGENT_ADDRESS``; its assignment for the epoch it was started on is in its environment too.
 """
@@ -69,6 +73,10 @@ class Agent:
         self.last_progress = time.monotonic()
         self.local_address = ""
         self.trainer: TrainerProcess | None = None
+        self.warm: TrainerProcess | None = None
+        self._slots = 0
+        # Bumped on every new epoch and every promotion: assignment watchers wake on it.
+        self._version = 0
         # A trainer that died as collateral damage of a topology change waits for the next epoch.
         self._restart_after_epoch: int | None = None
         self._coordinator_index = 0
@@ -139,7 +147,7 @@ class Agent:
             (self.log.info if exc.code == 0 else self.log.error)("agent exiting", reason=str(exc))
             return exc.code
         finally:
-            await self._stop_trainer("agent stopping")
+            await self._stop_trainer("agent stopping", warm_too=True)
             await local.stop(0.2)
             await self._disconnect(rotate=False)
 
@@ -151,7 +159,7 @@ class Agent:
     async def shutdown(self, reason: str) -> None:
         """Graceful stop (SIGTERM): stop the trainer, leave the job, exit."""
         self.log.info("agent shutting down", reason=reason)
-        await self._stop_trainer(reason)
+        await self._stop_trainer(reason, warm_too=True)
         if self.incarnation:
             with contextlib.suppress(grpc.aio.AioRpcError):
                 await self._connect().Leave(
@@ -233,8 +241,7 @@ class Agent:
         self.topology = topology
         self.log = self.log.bind(epoch=topology.epoch)
         if changed:
-            async with self.topology_changed:
-                self.topology_changed.notify_all()
+            await self._assignments_changed()
         rank = rank_of(topology, self.settings.host_id)
         self.log.info(
             "topology",
@@ -243,7 +250,7 @@ class Agent:
             reason=topology.reason,
         )
         if topology.halted:
-            await self._stop_trainer("job halted")
+            await self._stop_trainer("job halted", warm_too=True)
             raise AgentExit(f"job halted: {topology.reason}", code=3)
         trainer = self.trainer
         idle = trainer is None or not trainer.running()
@@ -254,8 +261,9 @@ class Agent:
             await self._start_trainer(topology, rank)
         # A running trainer sees the new epoch through the local API and re-meshes in-process.
 
-    def trainer_env(self, topology: pb.Topology, rank: int) -> Mapping[str, str]:
+    def trainer_env(self, topology: pb.Topology, rank: int, slot: int) -> Mapping[str, str]:
         return {
+            "REMESH_TRAINER_SLOT": str(slot),
             "REMESH_AGENT_ADDRESS": self.local_address,
             "REMESH_HOST_ID": self.settings.host_id,
             "REMESH_JOB": self.settings.job_id,
@@ -267,30 +275,51 @@ class Agent:
             "REMESH_DEVICE_COUNT": str(self.settings.device_count),
         }
 
+    async def _spawn(self, topology: pb.Topology, rank: int) -> TrainerProcess:
+        self._slots += 1
+        trainer = TrainerProcess(
+            self.settings.trainer_command, self.trainer_env(topology, rank, self._slots), topology.epoch
+        )
+        trainer.slot = self._slots
+        await trainer.start()
+        return trainer
+
     async def _start_trainer(self, topology: pb.Topology, rank: int) -> None:
         self._restart_after_epoch = None
         self.last_progress = time.monotonic()
-        trainer = TrainerProcess(
-            self.settings.trainer_command, self.trainer_env(topology, rank), topology.epoch
-        )
-        try:
-            await trainer.start()
-        except OSError as exc:
-            self.log.error(
-                "cannot start the trainer", error=str(exc), command=" ".join(self.settings.trainer_command)
-            )
-            await self._report_fault(
-                TrainerExit(topology.epoch, 127, stopped=False), detail=f"cannot start: {exc}"
-            )
-            return
-        self.trainer = trainer
-        self._trainer_watch = asyncio.create_task(self._watch_trainer(trainer))
+        warm = self.warm
+        if warm is not None and warm.running():
+            # Promote the standby: it waits on WatchAssignments and takes the rank at once.
+            self.warm = None
+            warm.epoch = topology.epoch
+            warm.started_at = time.monotonic()
+            self.trainer = warm
+            self.log.info("warm standby trainer promoted", pid=warm.pid, slot=warm.slot, epoch=topology.epoch)
+            await self._assignments_changed()
+        else:
+            try:
+                self.trainer = await self._spawn(topology, rank)
+            except OSError as exc:
+                self.log.error(
+                    "cannot start the trainer",
+                    error=str(exc),
+                    command=" ".join(self.settings.trainer_command),
+                )
+                await self._report_fault(
+                    TrainerExit(topology.epoch, 127, stopped=False), detail=f"cannot start: {exc}"
+                )
+                return
+            await self._assignments_changed()
+        self._trainer_watch = asyncio.create_task(self._watch_trainer(self.trainer))
+        if self.settings.warm_standby and (self.warm is None or not self.warm.running()):
+            self.warm = await self._spawn(topology, -1)
+            self.log.info("warm standby trainer started", pid=self.warm.pid, slot=self.warm.slot)
 
-    async def _stop_trainer(self, reason: str) -> None:
-        trainer = self.trainer
-        if trainer is not None and trainer.running():
-            self.log.info("stopping trainer", reason=reason, pid=trainer.pid)
-            await trainer.stop(self.settings.stop_grace_s)
+    async def _stop_trainer(self, reason: str, *, warm_too: bool = False) -> None:
+        for trainer in (self.trainer, self.warm if warm_too else None):
+            if trainer is not None and trainer.running():
+                self.log.info("stopping trainer", reason=reason, pid=trainer.pid, slot=trainer.slot)
+                await trainer.stop(self.settings.stop_grace_s)
 
     async def _watch_trainer(self, trainer: TrainerProcess) -> None:
         result = await trainer.wait()
@@ -376,21 +405,42 @@ class Agent:
             self._progress.set()
         return bool(reply.live)
 
-    async def newer_epoch(self, epoch: int) -> int:
-        """Wait until the agent knows an epoch newer than ``epoch``; return it."""
-
-        def newer() -> bool:
-            return self.topology.epoch > epoch
-
+    async def _assignments_changed(self) -> None:
+        self._version += 1
         async with self.topology_changed:
-            await self.topology_changed.wait_for(newer)
-        return int(self.topology.epoch)
+            self.topology_changed.notify_all()
 
-    def assignment(self) -> apb.Assignment:
+    async def assignment_changes(self, slot: int, after_epoch: int) -> AsyncIterator[apb.Assignment]:
+        """The caller's assignment now (if its epoch is newer than ``after_epoch``) and whenever it
+        changes: a new epoch, or the caller's promotion from standby."""
+        last = None if self.topology.epoch > after_epoch else self._key(slot)
+        while True:
+            key = self._key(slot)
+            if key != last:
+                last = key
+                yield self.assignment(slot)
+            version = self._version
+
+            def moved(seen: int = version) -> bool:
+                return self._version != seen
+
+            async with self.topology_changed:
+                await self.topology_changed.wait_for(moved)
+
+    def _key(self, slot: int) -> tuple[int, int]:
+        return int(self.topology.epoch), self._rank_for(slot)
+
+    def _rank_for(self, slot: int) -> int:
+        active = self.trainer.slot if self.trainer is not None else 0
+        if slot and slot != active:
+            return -1  # a warm standby process: no rank until it is promoted
+        return rank_of(self.topology, self.settings.host_id)
+
+    def assignment(self, slot: int = 0) -> apb.Assignment:
         return apb.Assignment(
             topology=self.topology,
             host_id=self.settings.host_id,
-            rank=rank_of(self.topology, self.settings.host_id),
+            rank=self._rank_for(slot),
             world_size=len(self.topology.members),
         )
 
@@ -402,10 +452,8 @@ class _LocalApi(apb_grpc.AgentLocalServicer):
     async def WatchAssignments(
         self, request: apb.WatchAssignmentsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[apb.Assignment]:
-        sent = request.after_epoch
-        while True:
-            sent = await self._agent.newer_epoch(sent)
-            yield self._agent.assignment()
+        async for assignment in self._agent.assignment_changes(request.slot, request.after_epoch):
+            yield assignment
 
     async def ReportProgress(
         self, request: apb.ReportProgressRequest, context: grpc.aio.ServicerContext

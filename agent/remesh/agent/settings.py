@@ -27,5 +27,8 @@ class AgentSettings:
     # is not hit by every agent at once, yet is found again within a second.
     reconnect_initial_s: float = 0.05
     reconnect_max_s: float = 1.0
+    # Keep a second trainer process warm (started, imports done, waiting for a rank) to replace the
+    # active one at once when a peer's death aborts it. Costs one idle process per host.
+    warm_standby: bool = True
     # How long a trainer told to stop gets before SIGKILL.
     stop_grace_s: float = 5.0

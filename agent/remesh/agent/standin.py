@@ -35,7 +35,8 @@ def _injected_failure() -> tuple[int, str] | None:
 
 def _placed(stub: apb_grpc.AgentLocalStub, after_epoch: int) -> apb.Assignment:
     """Standby until an epoch newer than ``after_epoch`` gives this host a rank."""
-    for assignment in stub.WatchAssignments(apb.WatchAssignmentsRequest(after_epoch=after_epoch)):
+    slot = int(os.environ.get("REMESH_TRAINER_SLOT", "0"))
+    for assignment in stub.WatchAssignments(apb.WatchAssignmentsRequest(after_epoch=after_epoch, slot=slot)):
         if assignment.topology.halted:
             sys.exit(0)
         if assignment.rank >= 0:

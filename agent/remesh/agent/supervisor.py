@@ -53,6 +53,8 @@ class TrainerProcess:
         self.env = dict(env)
         # The epoch it was started for, then the newest it reported running (see Agent._trainer_runs).
         self.epoch = epoch
+        # REMESH_TRAINER_SLOT: tells the active process from the warm standby on the local API.
+        self.slot = 0
         self.process: asyncio.subprocess.Process | None = None
         self.started_at = 0.0
         self._stopping = False

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -63,11 +63,13 @@ class Assignment:
 
 
 class AgentClient:
-    def __init__(self, address: str, first: Assignment) -> None:
+    def __init__(self, address: str, first: Assignment, slot: int = 0) -> None:
         self.address = address
+        self.slot = slot
         self._channel = grpc.insecure_channel(address)
         self._stub = apb_grpc.AgentLocalStub(self._channel)
         self._latest = first
+        self.changed_at = time.monotonic()
         self._changed = threading.Condition()
         self._closed = False
         self._watch = threading.Thread(target=self._follow, name="remesh-assignments", daemon=True)
@@ -80,13 +82,16 @@ class AgentClient:
             raise RuntimeError(
                 "REMESH_AGENT_ADDRESS is not set: run the trainer under `remesh agent ... -- COMMAND`"
             )
-        return cls(env["REMESH_AGENT_ADDRESS"], Assignment.from_env(env))
+        return cls(
+            env["REMESH_AGENT_ADDRESS"], Assignment.from_env(env), int(env.get("REMESH_TRAINER_SLOT", "0"))
+        )
 
     def _follow(self) -> None:
         backoff = 0.05
         while not self._closed:
             try:
-                for msg in self._stub.WatchAssignments(apb.WatchAssignmentsRequest(after_epoch=0)):
+                request = apb.WatchAssignmentsRequest(after_epoch=0, slot=self.slot)
+                for msg in self._stub.WatchAssignments(request):
                     self._publish(Assignment.from_pb(msg))
                     backoff = 0.05
             except grpc.RpcError as exc:
@@ -98,8 +103,13 @@ class AgentClient:
 
     def _publish(self, assignment: Assignment) -> None:
         with self._changed:
-            if assignment.epoch > self._latest.epoch:
+            latest = self._latest
+            # A newer epoch, or this process promoted from warm standby within the same epoch.
+            if assignment.epoch > latest.epoch or (
+                assignment.epoch == latest.epoch and assignment.rank != latest.rank
+            ):
                 self._latest = assignment
+                self.changed_at = time.monotonic()
                 self._changed.notify_all()
 
     @property
@@ -108,9 +118,13 @@ class AgentClient:
 
     def wait_newer(self, epoch: int, timeout: float) -> Assignment | None:
         """The first assignment newer than ``epoch``, or None after ``timeout`` seconds."""
+        return self.wait_until(lambda a: a.epoch > epoch, timeout)
+
+    def wait_until(self, predicate: Callable[[Assignment], bool], timeout: float) -> Assignment | None:
+        """The latest assignment once ``predicate`` holds for it, or None after ``timeout`` seconds."""
         with self._changed:
-            self._changed.wait_for(lambda: self._latest.epoch > epoch, timeout)
-            return self._latest if self._latest.epoch > epoch else None
+            self._changed.wait_for(lambda: predicate(self._latest), timeout)
+            return self._latest if predicate(self._latest) else None
 
     def report_progress(self, step: int, epoch: int) -> int:
         """Tell the agent a step completed; returns the newest epoch it knows."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -80,6 +81,10 @@ class Policy:
     snapshots_kept: int = 3
     # Save a checkpoint every N steps from rank 0 (0: never).
     checkpoint_every: int = 0
+    # A step still running this long after a new epoch was announced is stuck in a collective with a
+    # dead peer (it would wait for the collective timeout, then often abort inside gloo): the process
+    # exits for the agent's warm standby process to take over at once. None: always wait it out.
+    stuck_step_exit_s: float | None = 0.5
     # In-process recoveries before the session asks for a fresh process instead.
     max_in_process_recoveries: int = 50
     # Persistent XLA compilation cache: a re-initialised process compiles from it.
@@ -132,6 +137,10 @@ class Session:
         self._template: list[np.ndarray] | None = None
         self._last_leaves: list[np.ndarray] = []
         self.rank = -1
+        # (epoch, start) of the step running now: the watchdog's view of the training loop.
+        self._in_step: tuple[int, float] | None = None
+        if self.policy.stuck_step_exit_s is not None:
+            threading.Thread(target=self._watchdog, name="remesh-watchdog", daemon=True).start()
         configure_cpu(devices_per_host, self.policy.collective_timeout_s, self.policy.compilation_cache_dir)
 
     # ---- the loop --------------------------------------------------------------------------------
@@ -170,10 +179,25 @@ class Session:
             if assignment.halted:
                 log.info("job halted; the trainer stops", epoch=assignment.epoch)
                 return None
-            log.info("standby: this host holds no rank", epoch=assignment.epoch)
-            newer = self.agent.wait_newer(assignment.epoch, 3600.0)
-            assignment = newer or assignment
+            log.info("standby: no rank for this process yet", epoch=assignment.epoch)
+            placed = self.agent.wait_until(lambda a: a.halted or a.rank >= 0, 3600.0)
+            assignment = placed or assignment
         return assignment
+
+    def _watchdog(self) -> None:
+        grace = self.policy.stuck_step_exit_s or 0.0
+        while True:
+            time.sleep(0.05)
+            in_step = self._in_step
+            latest = self.agent.latest
+            if in_step is None or latest.epoch <= in_step[0]:
+                continue
+            stuck = time.monotonic() - max(in_step[1], self.agent.changed_at)
+            if stuck >= grace:
+                self._restart_process(
+                    f"step of epoch {in_step[0]} still blocked {stuck:.2f}s after epoch {latest.epoch} "
+                    "was announced: a collective waits for a dead peer"
+                )
 
     def _restart_process(self, reason: str) -> NoReturn:
         log.error("in-process recovery impossible; exiting for the agent to restart us", reason=reason)
@@ -214,10 +238,12 @@ class Session:
                 raise TopologyChanged(assignment.epoch, latest.epoch)
             t = time.monotonic()
             batch = self._local_batch(self._batch_for_step(step), assignment, by_rows)
+            self._in_step = (assignment.epoch, t)
             with peer_failures():
                 state, metrics = compiled(state, batch)
                 host_leaves = [_to_host(x) for x in jax.tree_util.tree_leaves(state)]
                 host_metrics = {k: float(_to_host(v)) for k, v in metrics.items()}
+            self._in_step = None
             step += 1
             self._last_leaves = host_leaves
             self.snapshots.put(step, host_leaves)
@@ -259,11 +285,17 @@ class Session:
         candidate = self._newest_checkpoint(target) if assignment.rank == 0 else -1
         chosen = self.runtime.allgather_int("checkpoint", candidate, self.policy.init_timeout_s)[0]
         if chosen < 0:
-            log.info("no snapshot or checkpoint to restore: starting from scratch", target=target)
+            log.info(
+                "no snapshot or checkpoint to restore: starting from scratch",
+                target=target,
+                snapshots_here=self.snapshots.steps(),
+            )
+            self.snapshots.clear()
             init = jax.jit(self._init_state)()
             return [np.asarray(x) for x in jax.tree_util.tree_leaves(init)], 0, "scratch"
         for store in self.checkpoints:
             if (store.latest_viable(chosen) or -1) == chosen:
+                self.snapshots.clear()
                 tree = store.restore_state(chosen, jax.tree_util.tree_unflatten(self._treedef, template))
                 return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)], chosen, store.name
         raise RestartProcess(f"checkpoint of step {chosen} chosen by rank 0 is not readable here")

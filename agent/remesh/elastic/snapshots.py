@@ -50,13 +50,24 @@ class Snapshots:
         with open(tmp, "wb") as f:
             np.savez(f, *leaves)
         os.replace(tmp, self.directory / f"step_{step:010d}.npz")
-        for old in sorted(self.directory.glob("step_*.npz"))[: -self.keep]:
-            old.unlink(missing_ok=True)
+        # Keep exactly the window that ends here: older steps, and any "newer" ones left by an
+        # abandoned timeline (a run that went further before restoring an older step), go.
+        for path in self.directory.glob("step_*.npz"):
+            if not step - self.keep < _step_of(path) <= step:
+                path.unlink(missing_ok=True)
+
+    def clear(self) -> None:
+        """Forget every snapshot: the run restarted its timeline from a checkpoint or from scratch."""
+        with self._lock:
+            self._memory.clear()
+        if self.directory is not None:
+            for path in self.directory.glob("step_*.npz"):
+                path.unlink(missing_ok=True)
 
     def steps(self) -> list[int]:
         found = set(self._memory)
         if self.directory is not None:
-            found |= {int(p.stem.removeprefix("step_")) for p in self.directory.glob("step_*.npz")}
+            found |= {_step_of(p) for p in self.directory.glob("step_*.npz")}
         return sorted(found)
 
     def get(self, step: int, template: list[np.ndarray]) -> tuple[list[np.ndarray], str] | None:
@@ -80,3 +91,7 @@ class Snapshots:
             log.warning("host snapshot does not fit this model; ignoring it", step=step, path=str(path))
             return None
         return leaves, "host-shm"
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name.removeprefix("step_").removesuffix(".npz"))

@@ -20,10 +20,12 @@ class Assignment(_message.Message):
     def __init__(self, topology: _Optional[_Union[_coordinator_pb2.Topology, _Mapping]] = ..., host_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class WatchAssignmentsRequest(_message.Message):
-    __slots__ = ("after_epoch",)
+    __slots__ = ("after_epoch", "slot")
     AFTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
     after_epoch: int
-    def __init__(self, after_epoch: _Optional[int] = ...) -> None: ...
+    slot: int
+    def __init__(self, after_epoch: _Optional[int] = ..., slot: _Optional[int] = ...) -> None: ...
 
 class ReportProgressRequest(_message.Message):
     __slots__ = ("step", "epoch")

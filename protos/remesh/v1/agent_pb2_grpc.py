@@ -55,7 +55,8 @@ class AgentLocalServicer:
     """Missing associated documentation comment in .proto file."""
 
     def WatchAssignments(self, request, context):
-        """Starts with the current assignment, then one per new epoch.
+        """Starts with the current assignment (if newer than after_epoch), then one whenever this caller's
+        assignment changes: a new epoch, or its promotion from standby.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -42,6 +42,11 @@ def add_parser(sub: Any) -> None:
         default=120.0,
         help="seconds without step progress before the trainer counts as hung (0: never)",
     )
+    p.add_argument(
+        "--no-warm-standby",
+        action="store_true",
+        help="do not keep a second, idle trainer process ready to replace the active one",
+    )
     p.add_argument("--local-listen", default="127.0.0.1:0", help="address of the local API for the trainer")
     p.add_argument("trainer", nargs=argparse.REMAINDER, help="-- followed by the trainer command")
     p.set_defaults(run=run)
@@ -67,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         job_id=args.job,
         local_listen=args.local_listen,
         hang_timeout_s=args.hang_timeout,
+        warm_standby=not args.no_warm_standby,
     )
     return asyncio.run(_main(Agent(settings)))
 

@@ -136,7 +136,7 @@ class LocalCluster:
         trainer_cmd = list(trainer) if trainer is not None else [sys.executable, "-m", "remesh.agent.standin"]
         args = [
             sys.executable, "-m", "remesh.cli", "agent",
-            "--coordinator", self.address, "--host-id", host_id, "--devices", "2",
+            "--coordinator", self.address, "--host-id", host_id, "--devices", "2", "--job", self.job,
             *(["--spare"] if spare else []), *extra, "--", *trainer_cmd,
         ]  # fmt: skip
         proc = Proc(args, self.tmp / f"agent-{host_id}-{len(self.procs)}.log", env=env)
