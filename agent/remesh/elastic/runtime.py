@@ -48,6 +48,35 @@ def configure_cpu(devices_per_host: int, collective_timeout_s: float, cache_dir:
         # Re-initialising clears the in-memory cache; the persistent one makes re-compiles cheap.
         jax.config.update("jax_compilation_cache_dir", cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        _cache_from_every_process()
+
+
+def _cache_from_every_process() -> None:
+    """Let every JAX process write its own persistent-cache entries, not only process 0.
+
+    JAX writes cache entries from process 0 alone (to spare shared filesystems from contention), but
+    on CPU the cache key differs per process, so every other rank misses every time and a process
+    that re-joins at rank 1 compiles from cold (seconds, most of a recovery). Keys differ, so
+    processes never write the same entry. Private JAX API: if it moves, this does nothing.
+    """
+    try:
+        from jax._src import compiler, distributed
+    except ImportError:  # pragma: no cover
+        return
+    original = getattr(compiler, "_cache_write", None)
+    if original is None or getattr(original, "_remesh", False):
+        return
+
+    def write(*args: object, **kwargs: object) -> object:
+        own = distributed.global_state.process_id
+        distributed.global_state.process_id = 0
+        try:
+            return original(*args, **kwargs)
+        finally:
+            distributed.global_state.process_id = own
+
+    write._remesh = True  # type: ignore[attr-defined]
+    compiler._cache_write = write
 
 
 @contextlib.contextmanager
@@ -117,6 +146,19 @@ class Runtime:
                 int(client.blocking_key_value_get(f"{prefix}/{r}", int(timeout_s * 1000)))
                 for r in range(self.assignment.world_size)
             ]
+
+    def share_bytes(self, name: str, data: bytes | None, source_rank: int, timeout_s: float) -> bytes:
+        """``data`` from ``source_rank`` to every process, through the coordination service: no
+        compiled program and no collective, so it costs nothing to set up in a fresh runtime."""
+        assert self.assignment is not None
+        key = f"remesh/e{self.assignment.epoch}/{name}"
+        client = self._client()
+        with peer_failures():
+            if self.assignment.rank == source_rank:
+                assert data is not None
+                client.key_value_set_bytes(key, data)
+                return data
+            return bytes(client.blocking_key_value_get_bytes(key, int(timeout_s * 1000)))
 
     def stop(self) -> float:
         """Leave the epoch's runtime; returns the seconds it took. Arrays from this epoch are invalid."""

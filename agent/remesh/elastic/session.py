@@ -19,6 +19,7 @@ Where that is impossible it exits with ``RESTART_EXIT_CODE`` and the agent start
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 import tempfile
@@ -85,6 +86,9 @@ class Policy:
     # dead peer (it would wait for the collective timeout, then often abort inside gloo): the process
     # exits for the agent's warm standby process to take over at once. None: always wait it out.
     stuck_step_exit_s: float | None = 0.5
+    # A state up to this size goes from the member that holds it to the others through the JAX
+    # coordination service's key-value store (no program to compile); larger ones by a collective.
+    kv_broadcast_max_bytes: int = 256 * 1024 * 1024
     # In-process recoveries before the session asks for a fresh process instead.
     max_in_process_recoveries: int = 50
     # Persistent XLA compilation cache: a re-initialised process compiles from it.
@@ -180,6 +184,7 @@ class Session:
                 log.info("job halted; the trainer stops", epoch=assignment.epoch)
                 return None
             log.info("standby: no rank for this process yet", epoch=assignment.epoch)
+            self._template_leaves()  # trace the state's shapes now, not during a recovery
             placed = self.agent.wait_until(lambda a: a.halted or a.rank >= 0, 3600.0)
             assignment = placed or assignment
         return assignment
@@ -273,11 +278,17 @@ class Session:
         holders = self.runtime.allgather_int("snapshot", 1 if mine else 0, self.policy.init_timeout_s)
         if any(holders):
             source_rank = holders.index(1)
-            with peer_failures():
-                leaves = multihost_utils.broadcast_one_to_all(
-                    mine[0] if mine else template, is_source=assignment.rank == source_rank
-                )
-            leaves = [np.asarray(x) for x in leaves]
+            is_source = assignment.rank == source_rank
+            size = sum(x.nbytes for x in template)
+            if size <= self.policy.kv_broadcast_max_bytes:
+                payload = _pack(mine[0]) if is_source and mine else None
+                leaves = _unpack(self.runtime.share_bytes("state", payload, source_rank, self.policy.init_timeout_s))
+            else:
+                with peer_failures():
+                    leaves = multihost_utils.broadcast_one_to_all(
+                        mine[0] if mine else template, is_source=is_source
+                    )
+                leaves = [np.asarray(x) for x in leaves]
             source = mine[1] if mine else f"peer:rank{source_rank}"
             return leaves, target, source
         # No member holds it in memory: the newest committed checkpoint at or below it, chosen by
@@ -357,6 +368,17 @@ class Session:
     def close(self) -> None:
         self._saver.shutdown(wait=True)
         self.agent.close()
+
+
+def _pack(leaves: list[np.ndarray]) -> bytes:
+    buffer = io.BytesIO()
+    np.savez(buffer, *leaves)
+    return buffer.getvalue()
+
+
+def _unpack(data: bytes) -> list[np.ndarray]:
+    with np.load(io.BytesIO(data)) as arrays:
+        return [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
 
 
 def _to_host(x: jax.Array) -> np.ndarray:

@@ -1,0 +1,94 @@
+"""Train tinylm data-parallel across hosts, elastically: run it under a remesh agent.
+
+    remesh agent --coordinator ADDR --host-id host-0 --devices 2 -- \\
+        python -m examples.tinylm.train_elastic --steps 300
+
+Everything about failure is remesh's: this script is the JAX a user would write anyway — a state,
+a step function, and a batch that is a pure function of the step — handed to ``remesh.elastic``.
+Each host runs one process with ``--devices`` virtual CPU devices (``REMESH_DEVICE_COUNT``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import time
+
+import numpy as np
+import structlog
+
+from examples.tinylm import data, model
+from remesh.elastic import LocalCheckpoints, Policy, Session, gcs_checkpoints_from_url
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument(
+        "--batch", type=int, default=24, help="global batch rows; 24 splits over 1-4 hosts x 2 devices"
+    )
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--d-model", type=int, default=model.Config.d_model)
+    p.add_argument("--layers", type=int, default=model.Config.n_layers)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--devices", type=int, default=int(os.environ.get("REMESH_DEVICE_COUNT", "2")))
+    p.add_argument("--checkpoint-dir", help="local Orbax checkpoints (per host)")
+    p.add_argument(
+        "--gcs",
+        help="gs://BUCKET/PREFIX for Orbax checkpoints on GCS (STORAGE_EMULATOR_HOST for an emulator)",
+    )
+    p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument(
+        "--step-sleep", type=float, default=0.0, help="pause after each step (paces demos and tests)"
+    )
+    p.add_argument("--save-final", help="rank 0 writes the final state's leaves here (.npz)")
+    p.add_argument("--collective-timeout", type=float, default=Policy().collective_timeout_s)
+    args = p.parse_args(argv)
+
+    log = structlog.get_logger("tinylm")
+    config = model.Config(
+        seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers, d_mlp=4 * args.d_model
+    )
+    stores = []
+    if args.checkpoint_dir:
+        stores.append(LocalCheckpoints(args.checkpoint_dir))
+    if args.gcs:
+        stores.append(gcs_checkpoints_from_url(args.gcs))
+    session = Session(
+        init_state=functools.partial(model.init_state, args.seed, config),
+        train_step=functools.partial(model.train_step, config=config),
+        batch_for_step=lambda step: data.global_batch(step, args.batch, args.seq_len, args.seed),
+        devices_per_host=args.devices,
+        policy=Policy(checkpoint_every=args.checkpoint_every, collective_timeout_s=args.collective_timeout),
+        checkpoints=stores,
+    )
+    t0 = time.monotonic()
+    last = None
+    for result in session.run(args.steps):
+        last = result
+        if result.step % args.log_every == 0 or result.step == args.steps:
+            log.info(
+                "step",
+                step=result.step,
+                loss=round(result.metrics["loss"], 4),
+                epoch=result.epoch,
+                world_size=result.world_size,
+                elapsed_s=round(time.monotonic() - t0, 2),
+            )
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+    if last is None:
+        return 0
+    if args.save_final and session.rank == 0:
+        leaves = session.final_leaves()
+        np.savez(args.save_final, *leaves)
+        log.info("final state written", path=args.save_final, step=last.step)
+    session.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
