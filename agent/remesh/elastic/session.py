@@ -382,8 +382,12 @@ def _unpack(data: bytes) -> list[np.ndarray]:
 
 
 def _to_host(x: jax.Array) -> np.ndarray:
-    """A replicated array's value, from this process's own copy (no cross-process fetch)."""
-    return np.asarray(x.addressable_shards[0].data)
+    """A replicated array's value, from this process's own copy (no cross-process fetch).
+
+    Copied: on CPU ``np.asarray`` may alias the device buffer, which the runtime frees when it is
+    torn down, and this copy is exactly what must outlive the runtime.
+    """
+    return np.array(x.addressable_shards[0].data, copy=True)
 
 
 def _rounded(phases: Mapping[str, float]) -> dict[str, float]:

@@ -1,0 +1,521 @@
+"""Table-driven tests of the pure planner: ``plan`` decides, ``plan_events`` records the decision.
+
+Each row of ``CASES`` is one observed state and the decision it must lead to. Every row is also run
+through ``plan_events`` and replayed, to check what holds for every decision: a new topology gets the
+next epoch, ranks in member records match the topology, and planning again from the result changes
+nothing. No clock, no sockets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import pytest
+
+from remesh.coordinator.model import (
+    ClusterState,
+    Event,
+    EventType,
+    Member,
+    MemberState,
+    Role,
+    Topology,
+    TopologyMember,
+    replay,
+)
+from remesh.coordinator.planner import Decision, Kind, natural_key, plan, plan_events
+from remesh.coordinator.settings import PlannerSettings
+
+ALIVE = MemberState.ALIVE
+DEAD = MemberState.DEAD
+SUSPECT = MemberState.SUSPECT
+JOINING = MemberState.JOINING
+LEFT = MemberState.LEFT
+DRAINING = MemberState.DRAINING
+
+TOPOLOGY_KINDS = (Kind.FORM, Kind.REPLACE, Kind.SHRINK, Kind.GROW)
+
+
+def member(
+    host: str,
+    state: MemberState = ALIVE,
+    *,
+    role: Role = Role.SPARE,
+    rank: int = -1,
+    devices: int = 4,
+    incarnation: int = 1,
+) -> Member:
+    return Member(
+        host_id=host,
+        incarnation=incarnation,
+        role=role,
+        state=state,
+        device_count=devices,
+        address=f"10.0.0.{sum(map(ord, host)) % 250}",
+        rank=rank,
+        reason=f"{host} is {state.value}",
+        updated_at=1.0,
+    )
+
+
+def actives(*hosts: str, state: MemberState = ALIVE) -> list[Member]:
+    """Registered before the job formed: role ACTIVE, no rank yet."""
+    return [member(h, state, role=Role.ACTIVE) for h in hosts]
+
+
+def spares(*hosts: str, state: MemberState = ALIVE) -> list[Member]:
+    return [member(h, state) for h in hosts]
+
+
+def formed(
+    hosts: Sequence[str],
+    *,
+    epoch: int = 1,
+    states: Mapping[str, MemberState] | None = None,
+    others: Sequence[Member] = (),
+    restore_step: int = -1,
+    waiting_since: float | None = None,
+    halted: bool = False,
+) -> ClusterState:
+    """A job running ``hosts`` (rank = position) at ``epoch``, plus ``others`` outside the topology."""
+    states = states or {}
+    ms = [member(h, states.get(h, ALIVE), role=Role.ACTIVE, rank=r) for r, h in enumerate(hosts)]
+    topology = Topology(
+        epoch=epoch,
+        members=tuple(TopologyMember(m.host_id, m.rank, m.device_count, m.address) for m in ms),
+        mesh_shape=(len(ms), 4),
+        jax_coordinator_address=f"{ms[0].address}:47000" if ms else "",
+        restore_step=restore_step,
+        reason="earlier decision",
+        created_at=0.5,
+        halted=halted,
+    )
+    return ClusterState(
+        members={m.host_id: m for m in [*ms, *others]},
+        topology=topology,
+        waiting_since=waiting_since,
+        live_epoch=epoch,
+        acks={m.host_id: epoch for m in ms},
+    )
+
+
+def unformed(*ms: Member) -> ClusterState:
+    return ClusterState(members={m.host_id: m for m in ms})
+
+
+def S(
+    world_size: int = 4, min_world_size: int = 1, must_divide: int = 0, max_wait_s: float = 30.0
+) -> PlannerSettings:
+    return PlannerSettings(
+        world_size=world_size,
+        min_world_size=min_world_size,
+        world_size_must_divide=must_divide,
+        max_wait_s=max_wait_s,
+    )
+
+
+FOUR = ("a0", "a1", "a2", "a3")
+
+
+@dataclass(frozen=True)
+class Case:
+    state: ClusterState
+    kind: Kind
+    hosts: tuple[str, ...] = ()
+    settings: PlannerSettings = field(default_factory=S)
+    steps: Mapping[str, int] = field(default_factory=dict)
+    now: float = 100.0
+    restore_step: int | None = None
+    reason_has: tuple[str, ...] = ()
+
+
+CASES = {
+    # ---- form ----------------------------------------------------------------------------------
+    "form waits below world size": Case(
+        unformed(*actives("a0", "a1", "a2"), *spares("s0")),
+        Kind.NONE,
+        reason_has=("3 of 4",),
+    ),
+    "form counts only alive actives": Case(
+        unformed(*actives("a0", "a1", "a2"), *actives("a3", state=JOINING), *spares("s0", "s1")),
+        Kind.NONE,
+        reason_has=("3 of 4",),
+    ),
+    "form places world_size actives in natural order": Case(
+        unformed(*actives("h10", "h2", "h1", "h3", "h11"), *spares("h0")),
+        Kind.FORM,
+        ("h1", "h2", "h3", "h10"),
+        restore_step=-1,
+        reason_has=("formed with 4 hosts",),
+    ),
+    "form with exactly world_size": Case(
+        unformed(*actives("a0", "a1"), *spares("s0")),
+        Kind.FORM,
+        ("a0", "a1"),
+        settings=S(world_size=2),
+    ),
+    # ---- healthy -------------------------------------------------------------------------------
+    "healthy topology": Case(formed(FOUR, others=spares("s0")), Kind.NONE, reason_has=("healthy",)),
+    "suspect member keeps its rank": Case(
+        formed(FOUR, states={"a2": SUSPECT}, others=spares("s0")), Kind.NONE, reason_has=("healthy",)
+    ),
+    "rejoining member keeps its rank": Case(
+        formed(FOUR, states={"a2": JOINING}, others=spares("s0")), Kind.NONE, reason_has=("healthy",)
+    ),
+    # ---- replace -------------------------------------------------------------------------------
+    "replace one dead member with a spare": Case(
+        formed(FOUR, states={"a1": DEAD}, others=spares("s0"), restore_step=5),
+        Kind.REPLACE,
+        ("a0", "s0", "a2", "a3"),
+        steps={"a0": 12, "a1": 3, "a2": 10, "a3": 11, "s0": 0},
+        restore_step=10,
+        reason_has=("a1 dead", "s0 takes rank 1 of a1"),
+    ),
+    "replace a member that left": Case(
+        formed(FOUR, states={"a3": LEFT}, others=spares("s0")),
+        Kind.REPLACE,
+        ("a0", "a1", "a2", "s0"),
+        reason_has=("a3 left", "s0 takes rank 3 of a3"),
+    ),
+    "replace a draining member": Case(
+        formed(FOUR, states={"a0": DRAINING}, others=spares("s0")),
+        Kind.REPLACE,
+        ("s0", "a1", "a2", "a3"),
+        reason_has=("a0 draining", "s0 takes rank 0 of a0"),
+    ),
+    "replace several dead with enough spares": Case(
+        formed(FOUR, states={"a1": DEAD, "a3": DEAD}, others=spares("s2", "s1", "s3")),
+        Kind.REPLACE,
+        ("a0", "s1", "a2", "s2"),
+        steps={"a0": 7, "a2": 9, "s1": 100},
+        restore_step=7,
+        reason_has=("a1 dead", "a3 dead", "s1 takes rank 1 of a1", "s2 takes rank 3 of a3"),
+    ),
+    "only alive spares replace": Case(
+        formed(
+            FOUR, states={"a1": DEAD}, others=[*spares("s0", state=JOINING), *spares("s1", state=SUSPECT)]
+        ),
+        Kind.SHRINK,
+        ("a0", "a2", "a3"),
+    ),
+    "restore step falls back to the topology's without progress": Case(
+        formed(FOUR, states={"a1": DEAD}, others=spares("s0"), restore_step=42),
+        Kind.REPLACE,
+        ("a0", "s0", "a2", "a3"),
+        steps={"a0": -1},
+        restore_step=42,
+    ),
+    # ---- shrink --------------------------------------------------------------------------------
+    "shrink without spares": Case(
+        formed(FOUR, states={"a1": DEAD}),
+        Kind.SHRINK,
+        ("a0", "a2", "a3"),
+        steps={"a0": 8, "a2": 6, "a3": 9},
+        restore_step=6,
+        reason_has=("a1 dead", "0 spare(s) for 1 lost", "from 4 to 3"),
+    ),
+    "shrink to a size that divides the batch": Case(
+        formed(FOUR, states={"a1": DEAD}),
+        Kind.SHRINK,
+        ("a0", "a2"),
+        settings=S(must_divide=8),
+        reason_has=("a1 dead", "from 4 to 2"),
+    ),
+    "shrink puts survivors first, then spares": Case(
+        formed(FOUR, states={"a0": DEAD, "a2": DEAD}, others=spares("s0")),
+        Kind.SHRINK,
+        ("a1", "a3", "s0"),
+        reason_has=("a0 dead", "a2 dead", "1 spare(s) for 2 lost"),
+    ),
+    "shrink respects the minimum": Case(
+        formed(FOUR, states={"a0": DEAD, "a3": DEAD}),
+        Kind.SHRINK,
+        ("a1", "a2"),
+        settings=S(min_world_size=2),
+    ),
+    "shrink twice from an already shrunk topology": Case(
+        formed(("a0", "a2", "a3"), epoch=5, states={"a2": DEAD}),
+        Kind.SHRINK,
+        ("a0", "a3"),
+        settings=S(min_world_size=2),
+    ),
+    # ---- grow ----------------------------------------------------------------------------------
+    "grow back when spares appear": Case(
+        formed(("a0", "a2"), epoch=3, others=spares("s1", "s0", "s2")),
+        Kind.GROW,
+        ("a0", "a2", "s0", "s1"),
+        steps={"a0": 20, "a2": 21},
+        restore_step=20,
+        reason_has=("from 2 to 4", "added s0, s1"),
+    ),
+    "grow only to a valid size": Case(
+        formed(("a0", "a2"), epoch=3, others=spares("s0")),
+        Kind.NONE,
+        settings=S(must_divide=8),
+        reason_has=("healthy",),
+    ),
+    "grow partly": Case(
+        formed(("a0", "a2"), epoch=3, others=spares("s0")),
+        Kind.GROW,
+        ("a0", "a2", "s0"),
+        reason_has=("from 2 to 3", "added s0"),
+    ),
+    "no grow from spares that are not alive": Case(
+        formed(("a0", "a2"), epoch=3, others=spares("s0", "s1", state=JOINING)),
+        Kind.NONE,
+    ),
+    "no grow at full size": Case(formed(FOUR, others=spares("s0", "s1")), Kind.NONE),
+    # ---- wait and halt -------------------------------------------------------------------------
+    "wait below the minimum": Case(
+        formed(FOUR, states={"a0": DEAD, "a1": DEAD}),
+        Kind.WAIT,
+        settings=S(min_world_size=3),
+        reason_has=("a0 dead", "a1 dead", "minimum is 3", "30s"),
+    ),
+    "keep waiting within max_wait_s": Case(
+        formed(FOUR, states={"a0": DEAD, "a1": DEAD}, waiting_since=80.0),
+        Kind.NONE,
+        settings=S(min_world_size=3),
+        now=109.5,
+        reason_has=("waiting", "29.5s of 30s"),
+    ),
+    "halt once max_wait_s ran out": Case(
+        formed(FOUR, states={"a0": DEAD, "a1": DEAD}, waiting_since=70.0),
+        Kind.HALT,
+        settings=S(min_world_size=3),
+        now=100.0,
+        reason_has=("waited 30.0s", "2 host(s) up", "minimum is 3"),
+    ),
+    "a spare ends the wait": Case(
+        formed(FOUR, states={"a0": DEAD, "a1": DEAD}, waiting_since=10.0, others=spares("s0")),
+        Kind.SHRINK,
+        ("a2", "a3", "s0"),
+        settings=S(min_world_size=3),
+    ),
+    "halted job stays halted": Case(
+        formed((), epoch=7, halted=True, others=spares("s0", "s1", "s2", "s3")),
+        Kind.NONE,
+        reason_has=("halted",),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_plan(case: Case) -> None:
+    decision = plan(case.now, case.state, case.steps, case.settings)
+
+    assert decision.kind is case.kind, decision.reason
+    assert decision.hosts == case.hosts
+    if case.restore_step is not None:
+        assert decision.restore_step == case.restore_step
+    for part in case.reason_has:
+        assert part in decision.reason
+
+
+def _changed(before: Member, after: Member) -> bool:
+    return (before.rank, before.role) != (after.rank, after.role)
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_plan_events(case: Case) -> None:
+    state = case.state
+    decision = plan(case.now, state, case.steps, case.settings)
+    events = plan_events(case.now, state, decision, case.settings, job_id="job-1")
+    after = replay(events, state)
+
+    if decision.kind is Kind.NONE:
+        assert events == []
+        return
+    if decision.kind is Kind.WAIT:
+        assert [e.type for e in events] == [EventType.JOB_WAITING]
+        assert events[0].epoch == state.epoch
+        assert events[0].reason == decision.reason
+        assert after.waiting_since == case.now
+        assert after.topology == state.topology
+        return
+
+    *assigned, final = events
+    assert all(e.type is EventType.MEMBER_ASSIGNED and e.epoch == state.epoch for e in assigned)
+    assert final.epoch == state.epoch + 1
+    assert final.topology is not None and final.topology.epoch == state.epoch + 1
+    assert final.topology.job_id == "job-1"
+    assert final.reason == decision.reason == final.topology.reason
+    assert final.details["decision"] == decision.kind.value
+    assert after.epoch == state.epoch + 1
+    assert after.waiting_since is None and after.acks == {}
+
+    # Exactly the members whose rank or role changed get a MEMBER_ASSIGNED, once each, with the
+    # incarnation they have now.
+    changed = {h for h, m in after.members.items() if _changed(state.members[h], m)}
+    assert sorted(e.host_id for e in assigned) == sorted(changed)
+    for e in assigned:
+        assert e.member is not None and e.incarnation == state.members[e.host_id].incarnation
+        assert e.member.state is state.members[e.host_id].state
+        assert f"epoch {final.epoch}" in e.reason
+
+    if decision.kind is Kind.HALT:
+        assert final.type is EventType.JOB_HALTED
+        assert after.halted and after.topology is not None and after.topology.members == ()
+    else:
+        assert final.type is EventType.TOPOLOGY_CHANGED
+        assert after.topology is not None and not after.halted
+        assert after.topology.host_ids == decision.hosts
+        assert [m.rank for m in after.topology.members] == list(range(len(decision.hosts)))
+        assert after.topology.restore_step == decision.restore_step
+
+    # Member records agree with the new topology.
+    topology = after.topology
+    assert topology is not None
+    for h, m in after.members.items():
+        rank = topology.rank_of(h)
+        assert m.rank == rank
+        if rank >= 0:
+            assert m.role is Role.ACTIVE
+        elif decision.kind is Kind.FORM:
+            assert m.role is state.members[h].role  # extra actives and spares stay as they were
+        else:
+            assert m.role is Role.SPARE
+
+    # Observe, plan, commit: planning again from the result changes nothing.
+    assert plan(case.now, after, case.steps, case.settings).kind is Kind.NONE
+
+
+def test_new_epoch_is_old_plus_one_and_survivors_keep_their_ranks() -> None:
+    state = formed(FOUR, epoch=9, states={"a2": DEAD}, others=spares("s0", "s1"))
+    decision = plan(50.0, state, {"a0": 4, "a1": 4, "a3": 4}, S())
+    events = plan_events(50.0, state, decision, S())
+    after = replay(events, state)
+
+    assert after.epoch == 10
+    assert after.topology is not None
+    for h in ("a0", "a1", "a3"):
+        assert after.topology.rank_of(h) == state.members[h].rank
+    assert after.topology.rank_of("s0") == 2
+    assert after.topology.world_size == 4
+    assert after.topology.restore_step == 4
+    assigned = {e.host_id: e.member for e in events if e.type is EventType.MEMBER_ASSIGNED}
+    assert set(assigned) == {"a2", "s0"}
+    assert assigned["s0"] is not None and (assigned["s0"].rank, assigned["s0"].role) == (2, Role.ACTIVE)
+    assert assigned["a2"] is not None and (assigned["a2"].rank, assigned["a2"].role) == (-1, Role.SPARE)
+    assert assigned["a2"].state is DEAD
+
+
+def test_form_topology_fields() -> None:
+    ms = [
+        member("a0", role=Role.ACTIVE, devices=8),
+        member("a1", role=Role.ACTIVE, devices=4),
+        member("a2", role=Role.ACTIVE, devices=8),
+    ]
+    settings = PlannerSettings(world_size=3, jax_port_base=40000, jax_port_span=100)
+    state = unformed(*ms)
+    decision = plan(3.0, state, {}, settings)
+    events = plan_events(3.0, state, decision, settings, "job-x")
+    topology = events[-1].topology
+
+    assert topology is not None
+    assert topology.epoch == 1
+    assert topology.created_at == 3.0
+    assert topology.mesh_shape == (3, 4)  # the smallest host decides the device axis
+    assert topology.jax_coordinator_address == f"{ms[0].address}:40001"
+    assert topology.members == tuple(
+        TopologyMember(m.host_id, r, m.device_count, m.address) for r, m in enumerate(ms)
+    )
+    assert [e.host_id for e in events[:-1]] == ["a0", "a1", "a2"]
+
+
+def test_jax_port_wraps_within_the_span() -> None:
+    settings = PlannerSettings(world_size=2, jax_port_base=40000, jax_port_span=10)
+    state = formed(("a0", "a1"), epoch=19, states={"a1": DEAD}, others=spares("s0"))
+    events = plan_events(1.0, state, plan(1.0, state, {}, settings), settings)
+    topology = events[-1].topology
+    assert topology is not None
+    assert topology.jax_coordinator_address.endswith(":40000")  # epoch 20 % 10
+
+
+def test_halt_event_carries_an_empty_final_topology() -> None:
+    state = formed(
+        FOUR, epoch=4, states={"a0": DEAD, "a1": DEAD, "a2": DEAD}, waiting_since=0.0, restore_step=33
+    )
+    settings = S(min_world_size=2, max_wait_s=5.0)
+    decision = plan(5.0, state, {}, settings)
+    events = plan_events(5.0, state, decision, settings)
+
+    assert decision.kind is Kind.HALT
+    final = events[-1]
+    assert final.type is EventType.JOB_HALTED and final.epoch == 5
+    assert final.topology is not None
+    assert final.topology.halted and final.topology.members == () and final.topology.restore_step == 33
+    assert {e.host_id for e in events[:-1]} == set(FOUR)
+    halted = replay(events, state)
+    assert plan(1e9, halted, {}, settings) == Decision(Kind.NONE, f"job halted: {decision.reason}")
+
+
+def test_wait_then_halt_uses_time_since_waiting_began() -> None:
+    settings = S(min_world_size=4, max_wait_s=10.0)
+    state = formed(FOUR, states={"a3": DEAD})
+
+    wait = plan(100.0, state, {}, settings)
+    assert wait.kind is Kind.WAIT
+    state = replay(plan_events(100.0, state, wait, settings), state)
+    assert state.waiting_since == 100.0
+
+    # The clock, not the number of calls, decides: far from the start of the wait nothing happens...
+    for now in (100.0, 105.0, 109.99):
+        assert plan(now, state, {}, settings).kind is Kind.NONE
+    # ...and from max_wait_s on, the job halts.
+    assert plan(110.0, state, {}, settings).kind is Kind.HALT
+
+
+def test_spare_after_wait_clears_the_wait() -> None:
+    settings = S(min_world_size=4)
+    state = formed(FOUR, states={"a3": DEAD}, waiting_since=100.0, others=spares("s0"))
+    decision = plan(101.0, state, {}, settings)
+    after = replay(plan_events(101.0, state, decision, settings), state)
+    assert decision.kind is Kind.REPLACE
+    assert after.waiting_since is None
+
+
+def test_plan_events_for_none_is_empty() -> None:
+    state = formed(FOUR)
+    assert plan_events(1.0, state, Decision(Kind.NONE, "topology healthy"), S()) == []
+
+
+@pytest.mark.parametrize(
+    ("ids", "ordered"),
+    [
+        (["h10", "h2", "h1"], ["h1", "h2", "h10"]),
+        (["rack2-h10", "rack10-h1", "rack2-h9"], ["rack2-h9", "rack2-h10", "rack10-h1"]),
+        (["b", "a", "a1"], ["a", "a1", "b"]),
+    ],
+)
+def test_natural_key(ids: list[str], ordered: list[str]) -> None:
+    assert sorted(ids, key=natural_key) == ordered
+
+
+def _types(events: Sequence[Event]) -> list[EventType]:
+    return [e.type for e in events]
+
+
+def test_rejoined_spare_counts_as_lost_in_its_old_topology() -> None:
+    """A dead member that registers again while the job waits is a new process: it needs a new epoch.
+
+    It comes back as a spare (rank -1) but is still listed in the waiting topology, so the planner must
+    not count it as a survivor; it may take a rank again, in a new epoch.
+    """
+    settings = S(world_size=2, min_world_size=2)
+    state = formed(("a0", "a1"), states={"a1": DEAD})
+    state = replay(plan_events(10.0, state, plan(10.0, state, {}, settings), settings), state)
+    assert state.waiting_since == 10.0
+
+    back = member("a1", ALIVE, incarnation=2)  # what register + heartbeat leave behind
+    state = ClusterState({**state.members, "a1": back}, state.topology, state.waiting_since, state.live_epoch)
+    decision = plan(11.0, state, {}, settings)
+    events = plan_events(11.0, state, decision, settings)
+    after = replay(events, state)
+
+    assert decision.kind is Kind.REPLACE, decision.reason
+    assert decision.hosts == ("a0", "a1")
+    assert _types(events)[-1] is EventType.TOPOLOGY_CHANGED
+    assert after.epoch == 2 and after.waiting_since is None
+    assert (after.members["a1"].rank, after.members["a1"].role) == (1, Role.ACTIVE)
