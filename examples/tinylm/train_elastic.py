@@ -47,6 +47,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--save-final", help="rank 0 writes the final state's leaves here (.npz)")
     p.add_argument("--collective-timeout", type=float, default=Policy().collective_timeout_s)
     args = p.parse_args(argv)
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.dev.ConsoleRenderer(colors=False),
+        ]
+    )
 
     log = structlog.get_logger("tinylm")
     config = model.Config(
