@@ -246,7 +246,9 @@ def report_fault(
     if not member.state.is_up:
         reason = f"{kind.value} reported for {host_id}, which is already {member.state.value}"
         dead = False
-    elif in_topology and topology is not None and epoch < topology.epoch:
+    elif topology is not None and epoch < topology.epoch:
+        # Also for a host that is no longer in the topology (shrunk away): its trainer died with
+        # the epoch it ran, not because of the host.
         reason = f"collateral: the trainer ran epoch {epoch}, the topology moved on to {topology.epoch}"
         dead = False
     elif failing:
@@ -282,7 +284,11 @@ def ack_epoch(
     max_length: int = 128,
 ) -> tuple[list[Event], bool]:
     """A trainer runs ``epoch``; once all members of the epoch acknowledged it, the epoch is live."""
-    _current(state, host_id, incarnation, max_length)
+    member = _current(state, host_id, incarnation, max_length)
+    if not member.state.is_up:
+        raise Rejected(
+            f"{host_id} is {member.state.value}: a member that is not up cannot acknowledge an epoch"
+        )
     _text("restore_source", restore_source)
     topology = state.topology
     if topology is None or topology.halted:

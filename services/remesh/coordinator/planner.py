@@ -109,8 +109,13 @@ def plan(now: float, state: ClusterState, steps: Mapping[str, int], settings: Pl
     if len(spares) >= len(lost):
         replacement = dict(zip(lost, spares, strict=False))
         hosts = tuple(replacement.get(h, h) for h in current)
-        swaps = ", ".join(f"{s} takes rank {current.index(h)} of {h}" for h, s in replacement.items())
-        return Decision(Kind.REPLACE, f"{why_lost}: hot spare {swaps}", hosts, restore)
+        swaps = ", ".join(
+            f"{h} re-joins at rank {current.index(h)}"
+            if s == h
+            else f"hot spare {s} takes rank {current.index(h)} of {h}"
+            for h, s in replacement.items()
+        )
+        return Decision(Kind.REPLACE, f"{why_lost}: {swaps}", hosts, restore)
 
     pool = [*survivors, *spares]
     size = settings.largest_valid_size(len(pool))
