@@ -1,0 +1,237 @@
+"""Mean time to recovery of a training job that loses a host: remesh in place vs a full-job restart.
+
+Runs tinylm data-parallel on 3 hosts (each an agent supervising a JAX trainer process with 2 CPU
+devices) plus hot spares, all on this machine, and per trial SIGKILLs one host mid-run:
+
+- in-place:       a host that is not rank 0 (survivors re-mesh with a spare, restore from host memory);
+- agent-restart:  the host of rank 0 (the JAX coordination service dies with it, survivors' runtimes
+                  abort, their agents hand over to their warm standby processes);
+- full restart:   the baseline users have today, in the same run: every process of the job is killed,
+                  the job is launched again and restores from the newest checkpoint (local, every
+                  ``--checkpoint-every`` steps).
+
+MTTR is the time from the SIGKILL to the first training step completed on the new topology by every
+member (the coordinator's epoch_live event). The phases come from the coordinator's event log
+(detect, decide) and the trainers' acknowledgements (re-initialise, restore, compile, first step).
+Lost steps are the steps completed before the kill that had to be trained again.
+
+    python benchmarks/detection.py ...   (failure detection alone)
+    python benchmarks/recovery.py [--trials 5]
+
+Prints a table and, as its last line, a JSON object with inplace_mttr_p50_s,
+agent_restart_mttr_p50_s, full_restart_mttr_p50_s, inplace_vs_full_ratio, lost_steps_max, trials.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from remesh.cli._logging import configure_logging
+from remesh.embedded import RedisServer
+from remesh.embedded.cluster import LocalCluster, wait_for
+from remesh.v1 import coordinator_pb2 as pb
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+HOSTS = ("host-0", "host-1", "host-2")
+PHASES = ("reinit", "restore", "compile", "first_step")
+
+
+def progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+@dataclass
+class Trial:
+    kind: str
+    mttr: float
+    lost_steps: int
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+def trainer_command(args: argparse.Namespace, checkpoint_dir: Path | None) -> list[str]:
+    cmd = [
+        sys.executable, "-m", "examples.tinylm.train_elastic", "--steps", "1000000",
+        "--d-model", str(args.d_model), "--layers", str(args.layers), "--seq-len", "32",
+        "--log-every", "50", "--step-sleep", str(args.step_sleep),
+    ]  # fmt: skip
+    if checkpoint_dir is not None:
+        cmd += ["--checkpoint-dir", str(checkpoint_dir), "--checkpoint-every", str(args.checkpoint_every)]
+    return cmd
+
+
+class Job:
+    def __init__(self, tmp: Path, redis_url: str, args: argparse.Namespace, *, spares: int, checkpoint_dir: Path | None) -> None:
+        self.args = args
+        self.job = f"bench-{uuid.uuid4().hex[:8]}"
+        (tmp / self.job).mkdir(parents=True)
+        self.cluster = LocalCluster(tmp / self.job, redis_url, self.job)
+        self.checkpoint_dir = checkpoint_dir
+        self.spares = 0
+        try:
+            self.cluster.start_coordinator("--world-size", str(len(HOSTS)))
+            for h in HOSTS:
+                self.start(h)
+            for _ in range(spares):
+                self.add_spare()
+            self.wait_live(1, 300)
+        except BaseException:
+            self.cluster.close()
+            raise
+
+    def start(self, host: str, spare: bool = False) -> None:
+        self.cluster.start_agent(host, spare=spare, trainer=trainer_command(self.args, self.checkpoint_dir), env=ENV)
+
+    def add_spare(self) -> None:
+        self.start(f"spare-{self.spares}", spare=True)
+        self.spares += 1
+
+    def events(self, *types: int) -> list[pb.Event]:
+        return list(self.cluster.stub().ReplayEvents(pb.ReplayEventsRequest(types=list(types)), timeout=20))
+
+    def wait_live(self, epoch: int, timeout: float) -> pb.Event:
+        def live() -> pb.Event | None:
+            return next((e for e in self.events(pb.EVENT_TYPE_EPOCH_LIVE) if e.epoch == epoch), None)
+
+        return wait_for(live, timeout, f"epoch {epoch} to be live", interval=0.1)  # type: ignore[return-value]
+
+    def wait_warm(self) -> None:
+        """Every agent's standby trainer process has imported JAX and waits for a rank."""
+
+        def warm() -> bool:
+            return all(
+                "standby: no rank for this process yet" in log.read_text(errors="replace")
+                for log in (self.cluster.tmp / name for name in self._agent_logs())
+            )
+
+        wait_for(warm, 120, "standby trainers to be warm", interval=0.5)
+
+    def _agent_logs(self) -> list[str]:
+        return [p.name for p in self.cluster.tmp.glob("agent-*.log")]
+
+    def step_now(self) -> int:
+        return max((m.last_step for m in self.cluster.members().values()), default=-1)
+
+    def wait_step(self, step: int) -> None:
+        wait_for(lambda: self.step_now() >= step, 300, f"step {step}", interval=0.1)
+
+    def close(self) -> None:
+        self.cluster.close()
+
+
+def phases_of(job: Job, epoch: int) -> dict[str, float]:
+    acks = [e for e in job.events(pb.EVENT_TYPE_EPOCH_ACKED) if e.epoch == epoch]
+    per_member = [json.loads(e.details["phases"]) for e in acks]
+    # The slowest member sets the pace: a step needs every member.
+    return {p: max(m.get(p, 0.0) for m in per_member) for p in PHASES} if per_member else {}
+
+
+def inplace_trial(job: Job, kind: str) -> Trial:
+    topology = job.cluster.topology()
+    ranks = {m.rank: m.host_id for m in topology.members}
+    victim = ranks[0] if kind == "agent-restart" else ranks[1 + (topology.epoch % (len(ranks) - 1))]
+    job.wait_step(job.step_now() + 5)
+    before = job.step_now()
+    t_kill = time.time()
+    job.cluster.agents[victim].signal_group(signal.SIGKILL)
+    live = job.wait_live(topology.epoch + 1, 300)
+    after = job.cluster.topology()
+    dead = next(e for e in job.events(pb.EVENT_TYPE_MEMBER_DEAD) if e.host_id == victim and e.time >= t_kill)
+    changed = next(e for e in job.events(pb.EVENT_TYPE_TOPOLOGY_CHANGED) if e.epoch == after.epoch)
+    phases = {"detect": dead.time - t_kill, "decide": changed.time - dead.time, **phases_of(job, after.epoch)}
+    job.cluster.agents[victim].popen.wait(10)
+    job.add_spare()
+    job.wait_warm()
+    return Trial(kind, live.time - t_kill, max(0, before - after.restore_step), phases)
+
+
+def full_restart_trial(tmp: Path, redis_url: str, args: argparse.Namespace, checkpoints: Path) -> Trial:
+    job = Job(tmp, redis_url, args, spares=0, checkpoint_dir=checkpoints)
+    try:
+        job.wait_step(args.checkpoint_every + args.checkpoint_every // 2)
+        before = job.step_now()
+        t_kill = time.time()
+        for proc in job.cluster.procs:  # the whole job: coordinator, agents, trainers
+            proc.signal_group(signal.SIGKILL)
+    finally:
+        job.close()
+    relaunched = Job(tmp, redis_url, args, spares=0, checkpoint_dir=checkpoints)
+    try:
+        live = relaunched.wait_live(1, 300)
+        acks = relaunched.events(pb.EVENT_TYPE_EPOCH_ACKED)
+        restored = min(int(e.details["restored_step"]) for e in acks)
+        return Trial("full restart", live.time - t_kill, max(0, before - restored), phases_of(relaunched, 1))
+    finally:
+        relaunched.close()
+
+
+def summary(trials: list[Trial], kind: str) -> tuple[float, float]:
+    values = [t.mttr for t in trials if t.kind == kind]
+    return (statistics.median(values), max(values)) if values else (float("nan"), float("nan"))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trials", type=int, default=5, help="failures of each kind")
+    parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--step-sleep", type=float, default=0.05)
+    parser.add_argument("--checkpoint-every", type=int, default=20, help="baseline checkpoint interval (steps)")
+    args = parser.parse_args()
+    configure_logging(level="warning")
+    trials: list[Trial] = []
+    with tempfile.TemporaryDirectory(prefix="remesh-recovery-") as tmp_name, RedisServer(appendonly=False) as redis:
+        tmp = Path(tmp_name)
+        progress(f"remesh: starting {len(HOSTS)} hosts and 2 hot spares")
+        job = Job(tmp, redis.url, args, spares=2, checkpoint_dir=None)
+        try:
+            job.wait_warm()
+            for i in range(args.trials):
+                for kind in ("in-place", "agent-restart"):
+                    trial = inplace_trial(job, kind)
+                    trials.append(trial)
+                    progress(f"  {kind} {i + 1}/{args.trials}: MTTR {trial.mttr:.2f}s, lost {trial.lost_steps} step(s)")
+        finally:
+            job.close()
+        for i in range(args.trials):
+            trial = full_restart_trial(tmp, redis.url, args, tmp / f"checkpoints-{i}")
+            trials.append(trial)
+            progress(f"  full restart {i + 1}/{args.trials}: MTTR {trial.mttr:.2f}s, lost {trial.lost_steps} step(s)")
+
+    print()
+    header = f"{'path':<16}{'MTTR p50':>10}{'max':>8}{'lost max':>10}" + "".join(f"{p:>12}" for p in ("detect", "decide", *PHASES))
+    print(header)
+    for kind in ("in-place", "agent-restart", "full restart"):
+        rows = [t for t in trials if t.kind == kind]
+        p50, worst = summary(trials, kind)
+        cells = "".join(
+            f"{statistics.median([t.phases.get(p, 0.0) for t in rows]):>12.2f}" for p in ("detect", "decide", *PHASES)
+        )
+        print(f"{kind:<16}{p50:>10.2f}{worst:>8.2f}{max(t.lost_steps for t in rows):>10}{cells}")
+    inplace, _ = summary(trials, "in-place")
+    restart, _ = summary(trials, "agent-restart")
+    full, _ = summary(trials, "full restart")
+    result = {
+        "inplace_mttr_p50_s": round(inplace, 3),
+        "agent_restart_mttr_p50_s": round(restart, 3),
+        "full_restart_mttr_p50_s": round(full, 3),
+        "inplace_vs_full_ratio": round(inplace / full, 3),
+        "lost_steps_max": max(t.lost_steps for t in trials if t.kind != "full restart"),
+        "full_restart_lost_steps_max": max(t.lost_steps for t in trials if t.kind == "full restart"),
+        "trials": args.trials,
+    }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
