@@ -38,21 +38,25 @@ def run_job(
     tmp.mkdir(parents=True, exist_ok=True)
     final = tmp / "final.npz"
     cluster = Cluster(tmp, redis_url, f"e2e-{uuid.uuid4().hex[:8]}")
-    cluster.start_coordinator("--world-size", "3", *coordinator_args)
-    warm = () if victim else ("--no-warm-standby",)  # a run without failures needs no standby
-    for h in ("host-0", "host-1", "host-2"):
-        cluster.start_agent(h, trainer=trainer(final), env=ENV, extra=warm)
-    for i in range(spares):
-        cluster.start_agent(f"spare-{i}", spare=True, trainer=trainer(final), env=ENV, extra=warm)
-    if victim:
+    try:
+        cluster.start_coordinator("--world-size", "3", *coordinator_args)
+        warm = () if victim else ("--no-warm-standby",)  # a run without failures needs no standby
+        for h in ("host-0", "host-1", "host-2"):
+            cluster.start_agent(h, trainer=trainer(final), env=ENV, extra=warm)
+        for i in range(spares):
+            cluster.start_agent(f"spare-{i}", spare=True, trainer=trainer(final), env=ENV, extra=warm)
+        if victim:
 
-        def reached() -> bool:
-            member = cluster.members().get(victim)
-            return member is not None and member.last_step >= KILL_AT
+            def reached() -> bool:
+                member = cluster.members().get(victim)
+                return member is not None and member.last_step >= KILL_AT
 
-        wait_for(reached, 180, f"{victim} to reach step {KILL_AT}")
-        cluster.agents[victim].kill()
-    wait_for(final.exists, 240, "the job to finish")
+            wait_for(reached, 180, f"{victim} to reach step {KILL_AT}")
+            cluster.agents[victim].kill()
+        wait_for(final.exists, 240, "the job to finish")
+    except BaseException:
+        cluster.close()
+        raise
     return final, cluster
 
 

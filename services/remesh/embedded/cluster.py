@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = ["LocalCluster", "Proc", "wait_for"]
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -74,13 +75,11 @@ class Proc:
         return self.popen.returncode
 
     def close(self) -> None:
-        if self.alive():
-            with_cont = [signal.SIGCONT, signal.SIGKILL]
-            for sig in with_cont:
-                try:
-                    os.killpg(self.popen.pid, sig)
-                except ProcessLookupError:
-                    break
+        # The whole group, even when its leader is gone: a stopped (SIGSTOP) one needs SIGCONT to die.
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.popen.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(10)
         self._log.close()
 
@@ -176,4 +175,13 @@ class LocalCluster:
     def close(self) -> None:
         self.reset_channel()
         for proc in reversed(self.procs):
-            proc.close()
+            try:
+                proc.close()
+            except Exception as exc:  # keep going: every other process must still be stopped
+                print(f"could not stop pid {proc.pid}: {exc}", file=sys.stderr)
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
