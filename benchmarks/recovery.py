@@ -70,7 +70,9 @@ def trainer_command(args: argparse.Namespace, checkpoint_dir: Path | None) -> li
 
 
 class Job:
-    def __init__(self, tmp: Path, redis_url: str, args: argparse.Namespace, *, spares: int, checkpoint_dir: Path | None) -> None:
+    def __init__(
+        self, tmp: Path, redis_url: str, args: argparse.Namespace, *, spares: int, checkpoint_dir: Path | None
+    ) -> None:
         self.args = args
         self.job = f"bench-{uuid.uuid4().hex[:8]}"
         (tmp / self.job).mkdir(parents=True)
@@ -89,7 +91,9 @@ class Job:
             raise
 
     def start(self, host: str, spare: bool = False) -> None:
-        self.cluster.start_agent(host, spare=spare, trainer=trainer_command(self.args, self.checkpoint_dir), env=ENV)
+        self.cluster.start_agent(
+            host, spare=spare, trainer=trainer_command(self.args, self.checkpoint_dir), env=ENV
+        )
 
     def add_spare(self) -> None:
         self.start(f"spare-{self.spares}", spare=True)
@@ -180,16 +184,23 @@ def summary(trials: list[Trial], kind: str) -> tuple[float, float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--trials", type=int, default=5, help="failures of each kind")
     parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--step-sleep", type=float, default=0.05)
-    parser.add_argument("--checkpoint-every", type=int, default=20, help="baseline checkpoint interval (steps)")
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=20, help="baseline checkpoint interval (steps)"
+    )
     args = parser.parse_args()
     configure_logging(level="warning")
     trials: list[Trial] = []
-    with tempfile.TemporaryDirectory(prefix="remesh-recovery-") as tmp_name, RedisServer(appendonly=False) as redis:
+    with (
+        tempfile.TemporaryDirectory(prefix="remesh-recovery-") as tmp_name,
+        RedisServer(appendonly=False) as redis,
+    ):
         tmp = Path(tmp_name)
         progress(f"remesh: starting {len(HOSTS)} hosts and 2 hot spares")
         job = Job(tmp, redis.url, args, spares=2, checkpoint_dir=None)
@@ -199,22 +210,29 @@ def main() -> int:
                 for kind in ("in-place", "agent-restart"):
                     trial = inplace_trial(job, kind)
                     trials.append(trial)
-                    progress(f"  {kind} {i + 1}/{args.trials}: MTTR {trial.mttr:.2f}s, lost {trial.lost_steps} step(s)")
+                    progress(
+                        f"  {kind} {i + 1}/{args.trials}: MTTR {trial.mttr:.2f}s, lost {trial.lost_steps} step(s)"
+                    )
         finally:
             job.close()
         for i in range(args.trials):
             trial = full_restart_trial(tmp, redis.url, args, tmp / f"checkpoints-{i}")
             trials.append(trial)
-            progress(f"  full restart {i + 1}/{args.trials}: MTTR {trial.mttr:.2f}s, lost {trial.lost_steps} step(s)")
+            progress(
+                f"  full restart {i + 1}/{args.trials}: MTTR {trial.mttr:.2f}s, lost {trial.lost_steps} step(s)"
+            )
 
     print()
-    header = f"{'path':<16}{'MTTR p50':>10}{'max':>8}{'lost max':>10}" + "".join(f"{p:>12}" for p in ("detect", "decide", *PHASES))
+    header = f"{'path':<16}{'MTTR p50':>10}{'max':>8}{'lost max':>10}" + "".join(
+        f"{p:>12}" for p in ("detect", "decide", *PHASES)
+    )
     print(header)
     for kind in ("in-place", "agent-restart", "full restart"):
         rows = [t for t in trials if t.kind == kind]
         p50, worst = summary(trials, kind)
         cells = "".join(
-            f"{statistics.median([t.phases.get(p, 0.0) for t in rows]):>12.2f}" for p in ("detect", "decide", *PHASES)
+            f"{statistics.median([t.phases.get(p, 0.0) for t in rows]):>12.2f}"
+            for p in ("detect", "decide", *PHASES)
         )
         print(f"{kind:<16}{p50:>10.2f}{worst:>8.2f}{max(t.lost_steps for t in rows):>10}{cells}")
     inplace, _ = summary(trials, "in-place")

@@ -282,7 +282,9 @@ class Session:
             size = sum(x.nbytes for x in template)
             if size <= self.policy.kv_broadcast_max_bytes:
                 payload = _pack(mine[0]) if is_source and mine else None
-                leaves = _unpack(self.runtime.share_bytes("state", payload, source_rank, self.policy.init_timeout_s))
+                leaves = _unpack(
+                    self.runtime.share_bytes("state", payload, source_rank, self.policy.init_timeout_s)
+                )
             else:
                 with peer_failures():
                     leaves = multihost_utils.broadcast_one_to_all(
