@@ -34,6 +34,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from remesh.cli._logging import configure_logging
 from remesh.embedded import RedisServer
@@ -99,7 +100,7 @@ class Job:
         self.start(f"spare-{self.spares}", spare=True)
         self.spares += 1
 
-    def events(self, *types: int) -> list[pb.Event]:
+    def events(self, *types: Any) -> list[pb.Event]:
         return list(self.cluster.stub().ReplayEvents(pb.ReplayEventsRequest(types=list(types)), timeout=20))
 
     def wait_live(self, epoch: int, timeout: float) -> pb.Event:

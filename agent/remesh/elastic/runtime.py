@@ -76,7 +76,7 @@ def _cache_from_every_process() -> None:
             distributed.global_state.process_id = own
 
     write._remesh = True  # type: ignore[attr-defined]
-    compiler._cache_write = write
+    compiler._cache_write = write  # type: ignore[assignment]
 
 
 @contextlib.contextmanager
