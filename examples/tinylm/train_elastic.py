@@ -91,7 +91,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.save_final and session.rank == 0:
         leaves = session.final_leaves()
-        np.savez(args.save_final, *leaves)
+        # Written whole, then renamed: whoever waits for the file never reads half of it.
+        tmp = f"{args.save_final}.tmp"
+        with open(tmp, "wb") as f:
+            np.savez(f, *leaves)
+        os.replace(tmp, args.save_final)
         log.info("final state written", path=args.save_final, step=last.step)
     session.close()
     return 0
