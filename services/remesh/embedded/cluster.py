@@ -20,6 +20,7 @@ from pathlib import Path
 
 import grpc
 
+from remesh.embedded.redis_server import bound_to_parent
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -42,7 +43,7 @@ class Proc:
         self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in close()
         self.popen = subprocess.Popen(
-            self.args,
+            bound_to_parent(self.args),
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},

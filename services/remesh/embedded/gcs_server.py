@@ -20,7 +20,7 @@ from typing import IO, TYPE_CHECKING
 
 import structlog
 
-from remesh.embedded.redis_server import free_port
+from remesh.embedded.redis_server import bound_to_parent, free_port
 
 if TYPE_CHECKING:
     from google.cloud import storage
@@ -114,7 +114,7 @@ class FakeGcsServer:
         # A file, not a pipe: nobody reads a pipe while the server runs, and a full one blocks it.
         self._stderr = tempfile.TemporaryFile(prefix="remesh-gcs-")  # noqa: SIM115 - lives as long as the server
         self.process = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=self._stderr, start_new_session=True
+            bound_to_parent(args), stdout=subprocess.DEVNULL, stderr=self._stderr, start_new_session=True
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -10,15 +10,26 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import structlog
 
-__all__ = ["RedisServer", "find_redis_server", "free_port"]
+__all__ = ["RedisServer", "bound_to_parent", "find_redis_server", "free_port"]
 
 log = structlog.get_logger("remesh.embedded")
+
+
+def bound_to_parent(command: list[str]) -> list[str]:
+    """``command`` run so that it is killed when the process that started it dies (Linux's
+    PR_SET_PDEATHSIG through util-linux's setpriv): a launcher killed with SIGKILL leaves nothing
+    behind. Elsewhere the command is returned as it is."""
+    setpriv = shutil.which("setpriv")
+    if sys.platform == "linux" and setpriv:
+        return [setpriv, "--pdeathsig", "KILL", "--", *command]
+    return command
 
 
 def free_port() -> int:
@@ -79,7 +90,10 @@ class RedisServer:
             "no",
         ]
         self.process = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+            bound_to_parent(args),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
