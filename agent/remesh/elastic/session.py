@@ -85,7 +85,7 @@ class Policy:
     # A step still running this long after a new epoch was announced is stuck in a collective with a
     # dead peer (it would wait for the collective timeout, then often abort inside gloo): the process
     # exits for the agent's warm standby process to take over at once. None: always wait it out.
-    stuck_step_exit_s: float | None = 0.5
+    stuck_step_exit_s: float | None = 0.2
     # A state up to this size goes from the member that holds it to the others through the JAX
     # coordination service's key-value store (no program to compile); larger ones by a collective.
     kv_broadcast_max_bytes: int = 256 * 1024 * 1024
