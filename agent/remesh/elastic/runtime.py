@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import time
 from collections.abc import Iterator
 
@@ -107,6 +108,8 @@ class Runtime:
             world_size=assignment.world_size,
             address=assignment.jax_coordinator,
         )
+        if assignment.rank != 0:
+            _wait_reachable(assignment.jax_coordinator, self.init_timeout_s)
         with peer_failures():
             jax.distributed.initialize(
                 coordinator_address=assignment.jax_coordinator,
@@ -171,3 +174,20 @@ class Runtime:
         jax.extend.backend.clear_backends()
         self.assignment, self.mesh = None, None
         return time.monotonic() - t0
+
+
+def _wait_reachable(address: str, timeout_s: float) -> None:
+    """Wait until rank 0's coordination service accepts connections.
+
+    A JAX client that finds no service backs off for up to a second between attempts; rank 0's
+    process often starts its service a few hundred milliseconds after the others are ready, so
+    polling here (every 10 ms) joins as soon as it is up.
+    """
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, int(port)), timeout=0.05):
+                return
+        except OSError:
+            time.sleep(0.01)

@@ -136,6 +136,7 @@ class Session:
         self.snapshots = Snapshots(self.policy.snapshots_kept, shm)
         self.runtime = Runtime(self.policy.init_timeout_s)
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="remesh-ckpt")
+        self._compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="remesh-compile")
         self._saving: Future[None] | None = None
         self._treedef: Any = None
         self._template: list[np.ndarray] | None = None
@@ -221,18 +222,14 @@ class Session:
         replicated = NamedSharding(mesh, P())
         by_rows = NamedSharding(mesh, P("data"))
 
+        # Compile (from shapes alone) while the state is being restored: the two take about as long.
+        self._template_leaves()  # traced once, here, before two threads need it
+        compiling = self._compiler.submit(self._compile, assignment, replicated, by_rows)
         t = time.monotonic()
         leaves, step, source = self._restore(assignment)
         state = jax.tree_util.tree_unflatten(self._treedef, [jax.device_put(x, replicated) for x in leaves])
         phases["restore"] = time.monotonic() - t
-
-        t = time.monotonic()
-        global_batch = self._batch_for_step(step)
-        step_fn = jax.jit(
-            self._train_step, in_shardings=(replicated, by_rows), out_shardings=(replicated, replicated)
-        )
-        compiled = step_fn.lower(state, self._local_batch(global_batch, assignment, by_rows)).compile()
-        phases["compile"] = time.monotonic() - t
+        compiled, phases["compile"] = compiling.result()
         self.runtime.barrier("compiled", self.policy.init_timeout_s)
         log.info("epoch ready", epoch=assignment.epoch, step=step, source=source, **_rounded(phases))
 
@@ -260,6 +257,22 @@ class Session:
             self._maybe_checkpoint(step, assignment, host_leaves)
             yield StepResult(step, assignment.epoch, assignment.world_size, host_metrics)
         self._wait_for_save()
+
+    def _compile(
+        self, assignment: Assignment, replicated: NamedSharding, by_rows: NamedSharding
+    ) -> tuple[Any, float]:
+        t = time.monotonic()
+        template = self._template_leaves()
+        state = jax.tree_util.tree_unflatten(
+            self._treedef, [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated) for x in template]
+        )
+        # Any step's batch has the shape of every step's batch.
+        sample = self._batch_for_step(max(assignment.restore_step, 0))
+        batch = jax.ShapeDtypeStruct(sample.shape, sample.dtype, sharding=by_rows)
+        step_fn = jax.jit(
+            self._train_step, in_shardings=(replicated, by_rows), out_shardings=(replicated, replicated)
+        )
+        return step_fn.lower(state, batch).compile(), time.monotonic() - t
 
     # ---- state -----------------------------------------------------------------------------------
 
@@ -369,6 +382,7 @@ class Session:
 
     def close(self) -> None:
         self._saver.shutdown(wait=True)
+        self._compiler.shutdown(wait=True)
         self.agent.close()
 
 

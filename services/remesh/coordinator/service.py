@@ -198,8 +198,13 @@ class Coordinator:
 
     async def _detector_loop(self) -> None:
         tick = self.settings.detector.tick_s
+        last = self._clock()
         while True:
             await asyncio.sleep(tick)
+            now = self._clock()
+            stalled, last = now - last - tick, now
+            if stalled > tick:
+                self._credit_stall(stalled)
             try:
                 await self.detect_once()
             except StoreUnavailable as exc:
@@ -207,6 +212,14 @@ class Coordinator:
                 self._store_log("store unavailable; nobody is judged until it is back", error=str(exc))
             except CoordinatorError as exc:
                 log.warning("detector step refused", error=str(exc))
+
+    def _credit_stall(self, seconds: float) -> None:
+        """The coordinator itself did not run for ``seconds`` (CPU starvation, a GC pause): heartbeats
+        may sit unread in its sockets, so silence it could not observe is not held against anyone."""
+        log.warning(
+            "detector stalled; not counting the stall as members' silence", stalled_s=round(seconds, 3)
+        )
+        self._liveness = {h: replace(s, last_seen=s.last_seen + seconds) for h, s in self._liveness.items()}
 
     async def detect_once(self) -> None:
         if self._store_down:
