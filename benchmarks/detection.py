@@ -35,6 +35,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -185,7 +186,7 @@ def run_trials(job: Job, how: str, trials: int, rng: random.Random, label: str) 
     return samples
 
 
-def load_run(job: Job, seconds: float) -> tuple[int, int]:
+def load_run(job: Job, seconds: float) -> tuple[list[pb.Event], int]:
     """Both cores busy for ``seconds``: failure declarations and suspicions in that window."""
     before_dead = job.dead_count()
     t0 = time.time()
@@ -201,14 +202,13 @@ def load_run(job: Job, seconds: float) -> tuple[int, int]:
         for b in burners:
             b.kill()
             b.wait()
-    suspects = len(
-        list(
-            job.cluster.stub().ReplayEvents(
-                pb.ReplayEventsRequest(types=[pb.EVENT_TYPE_MEMBER_SUSPECT], since=t0), timeout=10
-            )
+
+    def since_start(kind: Any) -> list[pb.Event]:
+        return list(
+            job.cluster.stub().ReplayEvents(pb.ReplayEventsRequest(types=[kind], since=t0), timeout=10)
         )
-    )
-    return job.dead_count() - before_dead, suspects
+
+    return since_start(pb.EVENT_TYPE_MEMBER_DEAD), len(since_start(pb.EVENT_TYPE_MEMBER_SUSPECT))
 
 
 def main() -> int:
@@ -231,7 +231,8 @@ def main() -> int:
                     results[f"{label} {how}"] = run_trials(job, how, args.trials, rng, label)
                 if label == "remesh":
                     progress(f"remesh: {args.load_seconds:.0f}s with every core busy")
-                    false_positives, suspects = load_run(job, args.load_seconds)
+                    declared, suspects = load_run(job, args.load_seconds)
+                    false_positives = len(declared)
             finally:
                 job.close()
 
@@ -245,6 +246,8 @@ def main() -> int:
     print(
         f"busy cores for {args.load_seconds:.0f}s: {false_positives} false failure declarations, {suspects} suspicions"
     )
+    for event in declared:
+        print(f"  declared dead under load: {event.host_id}: {event.reason}")
     crash, silent = results["remesh crash"], results["remesh silent"]
     base_crash = results["heartbeat-only crash"]
     summary = {

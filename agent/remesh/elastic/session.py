@@ -141,6 +141,7 @@ class Session:
         self._treedef: Any = None
         self._template: list[np.ndarray] | None = None
         self._last_leaves: list[np.ndarray] = []
+        self._pretraced = False
         self.rank = -1
         # (epoch, start) of the step running now: the watchdog's view of the training loop.
         self._in_step: tuple[int, float] | None = None
@@ -185,7 +186,7 @@ class Session:
                 log.info("job halted; the trainer stops", epoch=assignment.epoch)
                 return None
             log.info("standby: no rank for this process yet", epoch=assignment.epoch)
-            self._template_leaves()  # trace the state's shapes now, not during a recovery
+            self._pretrace()
             placed = self.agent.wait_until(lambda a: a.halted or a.rank >= 0, 3600.0)
             assignment = placed or assignment
         return assignment
@@ -257,6 +258,22 @@ class Session:
             self._maybe_checkpoint(step, assignment, host_leaves)
             yield StepResult(step, assignment.epoch, assignment.world_size, host_metrics)
         self._wait_for_save()
+
+    def _pretrace(self) -> None:
+        """Trace the state's shapes and the step function while idle, not during a recovery.
+
+        Tracing is the Python half of compiling; JAX caches the traced program by argument shapes,
+        so the lowering for the real mesh later skips it.
+        """
+        if self._pretraced:
+            return
+        template = self._template_leaves()
+        sample = self._batch_for_step(0)
+        state = jax.tree_util.tree_unflatten(
+            self._treedef, [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in template]
+        )
+        jax.jit(self._train_step).trace(state, jax.ShapeDtypeStruct(sample.shape, sample.dtype))
+        self._pretraced = True
 
     def _compile(
         self, assignment: Assignment, replicated: NamedSharding, by_rows: NamedSharding
