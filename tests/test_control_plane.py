@@ -260,3 +260,21 @@ def test_drain_replaces_the_host_and_its_agent_leaves(cluster: Cluster) -> None:
     assert cluster.agents["host-3"].popen.returncode == 0
     left = cluster.members()["host-3"]
     assert left.state == pb.MEMBER_STATE_LEFT and "kernel upgrade" in left.reason
+
+
+def test_a_spare_waiting_in_standby_is_not_taken_for_a_hung_trainer(cluster: Cluster) -> None:
+    cluster.start_coordinator("--world-size", "1")
+    cluster.start_agent("host-0")
+    cluster.start_agent("spare-0", spare=True, extra=["--hang-timeout", "0.5"])
+    cluster.wait_epoch(1)
+    wait_for(
+        lambda: cluster.members().get("spare-0", pb.Member()).state == pb.MEMBER_STATE_ALIVE,
+        15,
+        "spare alive",
+    )
+    time.sleep(2.0)  # four hang timeouts of a spare whose trainer never steps
+    assert cluster.members()["spare-0"].state == pb.MEMBER_STATE_ALIVE
+    assert not [e for e in cluster.events() if e.type == pb.EVENT_TYPE_FAULT_REPORTED]
+    # Once it holds a rank, its trainer is watched: the hang clock starts then.
+    cluster.agents["host-0"].kill()
+    assert [m.host_id for m in cluster.wait_epoch(2, timeout=10).members] == ["spare-0"]

@@ -227,6 +227,8 @@ class Agent:
         trainer = self.trainer
         if timeout <= 0 or trainer is None or not trainer.running() or trainer.hung:
             return
+        if rank_of(self.topology, self.settings.host_id) < 0:
+            return  # a spare's trainer waits in standby: no progress is expected of it
         since = time.monotonic() - max(self.last_progress, trainer.started_at)
         if since > timeout:
             self.log.warning(
@@ -238,6 +240,10 @@ class Agent:
         if topology.epoch < self.topology.epoch:
             return  # an older epoch than we already run: stale
         changed = topology.epoch != self.topology.epoch
+        if changed and rank_of(topology, self.settings.host_id) >= 0 > rank_of(
+            self.topology, self.settings.host_id
+        ):
+            self.last_progress = time.monotonic()  # the hang clock starts when the host gets a rank
         self.topology = topology
         self.log = self.log.bind(epoch=topology.epoch)
         if changed:
