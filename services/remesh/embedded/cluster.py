@@ -20,7 +20,7 @@ from pathlib import Path
 
 import grpc
 
-from remesh.embedded.redis_server import bound_to_parent
+from remesh.embedded._process import bound_to_parent
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
 

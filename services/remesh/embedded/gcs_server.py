@@ -20,7 +20,7 @@ from typing import IO, TYPE_CHECKING
 
 import structlog
 
-from remesh.embedded.redis_server import bound_to_parent, free_port
+from remesh.embedded._process import bound_to_parent, free_port, stop_process
 
 if TYPE_CHECKING:
     from google.cloud import storage
@@ -139,13 +139,7 @@ class FakeGcsServer:
     def stop(self) -> None:
         """Stop it (SIGTERM, then SIGKILL). The memory backend loses every object."""
         proc, self.process = self.process, None
-        if proc is not None and proc.poll() is None:
-            os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_process(proc)
         self._close_stderr()
 
     def _close_stderr(self) -> None:

@@ -10,32 +10,17 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import structlog
 
-__all__ = ["RedisServer", "bound_to_parent", "find_redis_server", "free_port"]
+from remesh.embedded._process import bound_to_parent, free_port, stop_process
+
+__all__ = ["RedisServer", "find_redis_server"]
 
 log = structlog.get_logger("remesh.embedded")
-
-
-def bound_to_parent(command: list[str]) -> list[str]:
-    """``command`` run so that it is killed when the process that started it dies (Linux's
-    PR_SET_PDEATHSIG through util-linux's setpriv): a launcher killed with SIGKILL leaves nothing
-    behind. Elsewhere the command is returned as it is."""
-    setpriv = shutil.which("setpriv")
-    if sys.platform == "linux" and setpriv:
-        return [setpriv, "--pdeathsig", "KILL", "--", *command]
-    return command
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def find_redis_server() -> str:
@@ -116,14 +101,7 @@ class RedisServer:
     def stop(self) -> None:
         """Stop it (SIGTERM, then SIGKILL); AOF data stays in ``directory`` for a restart."""
         proc, self.process = self.process, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
     def kill(self) -> None:
         proc, self.process = self.process, None
