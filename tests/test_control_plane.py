@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -96,7 +97,7 @@ def test_sigkill_of_an_active_host_is_replaced_by_the_spare_within_a_second(clus
 
 
 def test_silent_host_is_declared_dead_and_rejoins_as_a_spare(cluster: Cluster) -> None:
-    start_job(cluster)
+    start_job(cluster, "--metrics-port", "0")
     victim = "host-1"
     inc_before = cluster.members()[victim].incarnation
     cluster.agents[victim].signal_group(signal.SIGSTOP)
@@ -107,6 +108,16 @@ def test_silent_host_is_declared_dead_and_rejoins_as_a_spare(cluster: Cluster) -
     assert victim not in [m.host_id for m in topology.members]
     dead = [e for e in cluster.events() if e.type == pb.EVENT_TYPE_MEMBER_DEAD and e.host_id == victim]
     assert dead and "no heartbeat" in dead[0].reason
+    # The detection histogram holds the silence that led to the declaration (at least the timeout).
+    port = int(cluster.coordinator.output().split("metrics_port=")[1].split()[0])  # type: ignore[union-attr]
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    observed = {
+        line.split()[0]: float(line.split()[1])
+        for line in metrics.splitlines()
+        if line.startswith("remesh_detection_latency_seconds_")
+    }
+    assert observed["remesh_detection_latency_seconds_count"] == 1
+    assert observed["remesh_detection_latency_seconds_sum"] >= 0.6
     events_before = len(cluster.events())
 
     cluster.agents[victim].signal_group(signal.SIGCONT)

@@ -142,6 +142,8 @@ class Session:
         self._template: list[np.ndarray] | None = None
         self._last_leaves: list[np.ndarray] = []
         self._pretraced = False
+        # Timings of the recovery that led into the next epoch (teardown, waiting for the epoch).
+        self._recovery: dict[str, float] = {}
         self.rank = -1
         # (epoch, start) of the step running now: the watchdog's view of the training loop.
         self._in_step: tuple[int, float] | None = None
@@ -214,8 +216,7 @@ class Session:
         os._exit(RESTART_EXIT_CODE)
 
     def _epoch(self, assignment: Assignment, num_steps: int) -> Iterator[StepResult]:
-        phases: dict[str, float] = dict(getattr(self, "_recovery", {}))
-        self._recovery = {}
+        phases, self._recovery = dict(self._recovery), {}
         t = time.monotonic()
         mesh = self.runtime.start(assignment)
         self.rank = assignment.rank

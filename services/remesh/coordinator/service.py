@@ -166,12 +166,6 @@ class Coordinator:
             member = event.member
             if member is not None and member.state is MemberState.JOINING:
                 self._liveness[member.host_id] = Liveness(member.incarnation, last_seen=now)
-            if event.type is EventType.MEMBER_DEAD and member is not None:
-                seen = self._liveness.get(member.host_id)
-                signal = seen.stream_broken_at or seen.last_seen if seen else now
-                self.metrics.detection.observe(
-                    max(0.0, now - signal) if seen and seen.stream_broken_at else 0.0
-                )
             if member is not None and member.state in (MemberState.DEAD, MemberState.LEFT):
                 self._liveness.pop(member.host_id, None)
                 self._send(member.host_id, member.incarnation, "reregister", member.reason)
@@ -234,7 +228,10 @@ class Coordinator:
             def transition(s: ClusterState, t: float, v: Verdict = verdict) -> list[Event]:
                 return membership.declare(t, s, v.host_id, v.incarnation, v.state, v.reason)
 
-            await self._change(transition)
+            stored = await self._change(transition)
+            if verdict.state is MemberState.DEAD and any(e.type is EventType.MEMBER_DEAD for e in stored):
+                # From the first signal (the stream broke, or the last heartbeat) to the declaration.
+                self.metrics.detection.observe(verdict.silence_s)
         if self.state.topology is None or self.state.waiting_since is not None:
             # The planner's clock-driven decisions (waiting -> halted) need a nudge without an event.
             decision = plan(now, self.state, self._steps, self.settings.planner)

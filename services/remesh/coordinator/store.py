@@ -121,7 +121,7 @@ class RedisStore:
             else "",
             "meta": {},
             "acks": {h: e for h, e in after.acks.items() if before.acks.get(h) != e},
-            "acks_clear": len(after.acks) < len(before.acks) or any(h not in after.acks for h in before.acks),
+            "acks_clear": any(h not in after.acks for h in before.acks),
             "events": [e.to_json() for e in events],
         }
         if after.waiting_since != before.waiting_since:
