@@ -98,7 +98,6 @@ class Runtime:
         self.init_timeout_s = init_timeout_s
         self.shutdown_timeout_s = shutdown_timeout_s
         self.assignment: Assignment | None = None
-        self.mesh: Mesh | None = None
 
     def start(self, assignment: Assignment) -> Mesh:
         log.info(
@@ -124,8 +123,7 @@ class Runtime:
         # Devices ordered by process, so each process's rows of a batch sharded on "data" are the
         # contiguous block at its rank.
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-        self.mesh = Mesh(np.array(devices), ("data",), axis_types=(AxisType.Auto,))
-        return self.mesh
+        return Mesh(np.array(devices), ("data",), axis_types=(AxisType.Auto,))
 
     def _client(self):  # type: ignore[no-untyped-def]
         from jax._src import distributed
@@ -172,7 +170,7 @@ class Runtime:
             log.warning("JAX shutdown reported an error", error=str(exc).splitlines()[0])
         jax.clear_caches()
         jax.extend.backend.clear_backends()
-        self.assignment, self.mesh = None, None
+        self.assignment = None
         return time.monotonic() - t0
 
 
