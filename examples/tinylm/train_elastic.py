@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import sys
 import time
@@ -20,7 +21,7 @@ import numpy as np
 import structlog
 
 from examples.tinylm import data, model
-from remesh.elastic import LocalCheckpoints, Policy, Session, gcs_checkpoints_from_url
+from remesh.elastic import LocalCheckpoints, Policy, Session, StepResult, gcs_checkpoints_from_url
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument(
         "--step-sleep", type=float, default=0.0, help="pause after each step (paces demos and tests)"
+    )
+    p.add_argument(
+        "--metrics-dir",
+        help="rank 0 appends one JSON line per step here (time, step, loss, epoch): the demo's loss curve",
     )
     p.add_argument("--save-final", help="rank 0 writes the final state's leaves here (.npz)")
     p.add_argument("--collective-timeout", type=float, default=Policy().collective_timeout_s)
@@ -74,8 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     t0 = time.monotonic()
     last = None
+    metrics = _MetricsFile(args.metrics_dir) if args.metrics_dir else None
     for result in session.run(args.steps):
         last = result
+        if metrics is not None and session.rank == 0:
+            metrics.write(result, session.stats)
         if result.step % args.log_every == 0 or result.step == args.steps:
             log.info(
                 "step",
@@ -99,6 +107,26 @@ def main(argv: list[str] | None = None) -> int:
         log.info("final state written", path=args.save_final, step=last.step)
     session.close()
     return 0
+
+
+class _MetricsFile:
+    """One JSON line per step, flushed at once: a reader sees every step up to a kill."""
+
+    def __init__(self, folder: str) -> None:
+        os.makedirs(folder, exist_ok=True)
+        host = os.environ.get("REMESH_HOST_ID", "host")
+        self._file = open(os.path.join(folder, f"{host}-{os.getpid()}.jsonl"), "a", buffering=1)  # noqa: SIM115
+
+    def write(self, result: StepResult, stats: dict[str, float]) -> None:
+        line = {
+            "t": round(time.time(), 4),
+            "step": result.step,
+            "loss": round(result.metrics["loss"], 5),
+            "epoch": result.epoch,
+            "world_size": result.world_size,
+            **{k: round(v, 4) for k, v in stats.items()},
+        }
+        self._file.write(json.dumps(line) + "\n")
 
 
 if __name__ == "__main__":

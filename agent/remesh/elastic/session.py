@@ -145,6 +145,9 @@ class Session:
         # Timings of the recovery that led into the next epoch (teardown, waiting for the epoch).
         self._recovery: dict[str, float] = {}
         self.rank = -1
+        # Seconds the training loop waited for a checkpoint save to finish, and seconds spent saving
+        # (in the background); for goodput accounting.
+        self.stats: dict[str, float] = {"checkpoint_wait_s": 0.0, "checkpoint_save_s": 0.0}
         # (epoch, start) of the step running now: the watchdog's view of the training loop.
         self._in_step: tuple[int, float] | None = None
         if self.policy.stuck_step_exit_s is not None:
@@ -217,6 +220,9 @@ class Session:
 
     def _epoch(self, assignment: Assignment, num_steps: int) -> Iterator[StepResult]:
         phases, self._recovery = dict(self._recovery), {}
+        # Wall-clock time this member began the epoch (a time, not a duration): with the epoch's
+        # publication time it gives how long the epoch took to reach the trainer.
+        phases["started_at"] = time.time()
         t = time.monotonic()
         mesh = self.runtime.start(assignment)
         self.rank = assignment.rank
@@ -364,9 +370,18 @@ class Session:
 
     def _wait_for_save(self) -> None:
         if self._saving is not None:
+            t = time.monotonic()
             self._saving.result()
+            self.stats["checkpoint_wait_s"] += time.monotonic() - t
 
     def _save_all(self, step: int, epoch: int, tree: PyTree) -> None:
+        t = time.monotonic()
+        try:
+            self._save_each(step, epoch, tree)
+        finally:
+            self.stats["checkpoint_save_s"] += time.monotonic() - t
+
+    def _save_each(self, step: int, epoch: int, tree: PyTree) -> None:
         for store in self.checkpoints:
             if self.agent.latest.epoch != epoch:
                 log.warning(

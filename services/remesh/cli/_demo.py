@@ -1,172 +1,208 @@
-"""``remesh demo``: a whole job on this machine, one host killed on purpose, the recovery shown live.
+"""``remesh demo``: a whole elastic JAX job on this machine, hosts failed on purpose, recovery measured.
 
-Starts an embedded redis-server (unless ``--redis`` names one), the coordinator, N agents and hot
-spares as real processes, each agent supervising the stand-in trainer; kills one host once the first
-epoch is live, prints every membership event as it happens and, at the end, how long detection and
-the new epoch took. Everything it started is stopped on exit and on Ctrl-C.
+Starts an embedded redis-server and GCS emulator (unless --redis / --gcs name real ones), the
+coordinator, and N hosts plus hot spares, each a real agent process supervising a trainer of the
+example language model (a multi-process JAX job on CPU devices). It fails a host at --kill-at steps
+(or at random with --mtbf), shows the recovery live, and writes report.json and timeline.png to --out.
+--baseline restart runs the same schedule the way jobs recover today (everything killed, relaunched
+from the newest checkpoint); `remesh report A B` compares two runs. Everything started is stopped on
+exit and on Ctrl-C.
+
+``remesh report DIR [DIR]``: print one run's report, or compare two.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import random
 import signal
-import tempfile
-import threading
-import time
-import uuid
 from pathlib import Path
 from typing import Any
 
-import grpc
 import structlog
 from rich.console import Console
+from rich.table import Table
 
-from remesh.embedded import RedisServer
-from remesh.embedded.cluster import LocalCluster, wait_for
-from remesh.v1 import coordinator_pb2 as pb
+from remesh.demo.report import PHASES, compare
 
 log = structlog.get_logger("remesh.cli")
 
-_STYLE = {
-    pb.EVENT_TYPE_MEMBER_DEAD: "bold red",
-    pb.EVENT_TYPE_MEMBER_SUSPECT: "yellow",
-    pb.EVENT_TYPE_TOPOLOGY_CHANGED: "bold green",
-    pb.EVENT_TYPE_EPOCH_LIVE: "green",
-    pb.EVENT_TYPE_JOB_HALTED: "bold red",
-}
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of steps") from None
 
 
 def add_parser(sub: Any) -> None:
     p: argparse.ArgumentParser = sub.add_parser(
         "demo",
-        help="run a whole job here, kill a host, watch remesh recover",
+        help="run an elastic JAX job here, fail hosts on purpose, watch remesh recover",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--hosts", type=int, default=4, help="active hosts")
-    p.add_argument("--spares", type=int, default=1, help="hot spares")
-    p.add_argument("--kill", default="any", help="host to fail: a host id like host-2, or 'any'")
+    p.add_argument("--hosts", type=int, default=3, help="active hosts (JAX processes)")
+    p.add_argument("--spares", type=int, default=1, help="hot spares (ignored by --baseline restart)")
+    p.add_argument("--steps", type=int, default=300, help="train this many steps")
+    p.add_argument(
+        "--kill-at", type=_int_list, default=None, metavar="STEP[,STEP...]",
+        help="fail a host when training reaches these steps (default: 40%% of --steps; '' for none)",
+    )  # fmt: skip
+    p.add_argument(
+        "--kill", default="any", metavar="TARGET[,TARGET...]",
+        help="which host each failure hits, in turn: any, rank0 (the host of JAX process 0) or a host id",
+    )  # fmt: skip
     p.add_argument("--how", choices=["kill", "stop"], default="kill",
                    help="kill: SIGKILL the host; stop: SIGSTOP it (a silent host)")  # fmt: skip
-    p.add_argument("--kill-after", type=float, default=2.0, help="seconds after the first epoch is live")
+    p.add_argument("--mtbf", type=float, default=None, metavar="SECONDS",
+                   help="also fail hosts at random, this mean time between failures apart (seeded)")  # fmt: skip
+    p.add_argument("--duration", type=float, default=None, metavar="SECONDS",
+                   help="stop after this much training time even before --steps")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="seed for --kill any and --mtbf")
+    p.add_argument("--baseline", choices=["restart"], default=None,
+                   help="restart: recover the way jobs do today, by relaunching the whole job")  # fmt: skip
+    p.add_argument("--out", default="remesh-demo", help="folder for report.json, timeline.png and logs")
     p.add_argument("--redis", default=os.environ.get("REMESH_REDIS_URL"),
-                   help="Redis URL (env REMESH_REDIS_URL); default: start an embedded redis-server")  # fmt: skip
-    p.add_argument("--out", default=None, help="folder for the processes' logs (default: a temporary one)")
-    p.add_argument("--seed", type=int, default=None, help="seed for choosing the host with --kill any")
+                   help="Redis URL (env REMESH_REDIS_URL); default: an embedded redis-server")  # fmt: skip
+    p.add_argument("--gcs", default=os.environ.get("REMESH_GCS_URL"),
+                   help="gs://BUCKET/PREFIX for checkpoints (env REMESH_GCS_URL); default: an embedded GCS emulator")  # fmt: skip
+    p.add_argument("--checkpoint-every", type=int, default=25, help="checkpoint every N steps (rank 0)")
+    p.add_argument(
+        "--step-sleep", type=float, default=0.05, help="pause after each step (stands for compute)"
+    )
     p.set_defaults(run=run)
+
+    r: argparse.ArgumentParser = sub.add_parser(
+        "report",
+        help="print a demo's recovery report, or compare two (remesh report A B)",
+        description="Print the report.json of a `remesh demo --out DIR` run, or compare two runs side by side.",
+    )
+    r.add_argument(
+        "runs", nargs="+", metavar="DIR", help="one or two demo output folders (or report.json files)"
+    )
+    r.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    r.set_defaults(run=run_report)
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console(stderr=False)
-    hosts = [f"host-{i}" for i in range(args.hosts)]
-    if args.hosts < 1 or args.spares < 0:
-        console.print("[red]--hosts must be at least 1 and --spares at least 0[/]")
-        return 2
-    if args.kill != "any" and args.kill not in hosts:
-        console.print(f"[red]unknown host {args.kill!r}: choose one of {', '.join(hosts)} or 'any'[/]")
-        return 2
-    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="remesh-demo-"))
-    out.mkdir(parents=True, exist_ok=True)
-    redis: RedisServer | None = None
-    cluster: LocalCluster | None = None
+    from remesh.demo.display import Display
+    from remesh.demo.runner import DemoConfig, DemoError, DemoRun, Schedule
+
+    console = Console(highlight=False)
+    kill_at = (
+        args.kill_at
+        if args.kill_at is not None
+        else ((max(1, int(args.steps * 0.4)),) if args.steps > 1 else ())
+    )
+    config = DemoConfig(
+        hosts=args.hosts,
+        spares=args.spares,
+        steps=args.steps,
+        schedule=Schedule(
+            at_steps=kill_at,
+            targets=tuple(t.strip() for t in args.kill.split(",") if t.strip()) or ("any",),
+            how=args.how,
+            mtbf_s=args.mtbf,
+            seed=args.seed,
+        ),
+        mode=args.baseline or "inplace",
+        out=Path(args.out),
+        redis_url=args.redis,
+        gcs_url=args.gcs,
+        checkpoint_every=args.checkpoint_every,
+        step_sleep=args.step_sleep,
+        duration_s=args.duration,
+    )
+    # SIGTERM stops the demo like Ctrl-C does: every process it started is stopped.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
-        if args.redis:
-            redis_url = args.redis
-        else:
-            redis = RedisServer(appendonly=False).start()
-            redis_url = redis.url
-            console.print(f"embedded redis-server on {redis_url}")
-        cluster = LocalCluster(out, redis_url, f"demo-{uuid.uuid4().hex[:6]}")
-        try:
-            cluster.start_coordinator("--world-size", str(args.hosts))
-        except RuntimeError as exc:
-            console.print(f"[red]the coordinator did not start[/]: {str(exc).splitlines()[0]}")
-            console.print(f"check that Redis answers at {redis_url}; logs are in {out}")
-            return 2
-        console.print(
-            f"coordinator on {cluster.address}; starting {args.hosts} hosts and {args.spares} spare(s)"
-        )
-        stop_printing = threading.Event()
-        t_start = time.time()
-        printer = threading.Thread(
-            target=_print_events, args=(cluster, console, t_start, stop_printing), daemon=True
-        )
-        printer.start()
-        for h in hosts:
-            cluster.start_agent(h)
-        for i in range(args.spares):
-            cluster.start_agent(f"spare-{i}", spare=True)
-        _wait_live(cluster, 1, 60)
-        time.sleep(args.kill_after)
-        before = cluster.topology()
-        victim = args.kill if args.kill != "any" else random.Random(args.seed).choice(hosts)
-        console.print(
-            f"\n[bold]>>> {'SIGKILL' if args.how == 'kill' else 'SIGSTOP'} {victim} (agent and trainer)[/]\n"
-        )
-        t_kill = time.time()
-        cluster.agents[victim].signal_group(signal.SIGKILL if args.how == "kill" else signal.SIGSTOP)
-        after = cluster.wait_epoch(before.epoch + 1, timeout=30)
-        live = _wait_live(cluster, after.epoch, 60)
-        dead = next(
-            e
-            for e in cluster.events()
-            if e.type == pb.EVENT_TYPE_MEMBER_DEAD and e.host_id == victim and e.time >= t_kill
-        )
-        time.sleep(0.3)
-        stop_printing.set()
-        console.print()
-        console.print(f"[bold green]recovered[/]: {after.reason}")
-        console.print(f"  failure detected   {dead.time - t_kill:6.3f} s after the {args.how}")
-        console.print(
-            f"  epoch {after.epoch} published {after.created_at - t_kill:6.3f} s after the {args.how}"
-        )
-        console.print(f"  epoch {after.epoch} live      {live.time - t_kill:6.3f} s after the {args.how} "
-                      "(every member's trainer acknowledged it)")  # fmt: skip
-        console.print(f"  ranks: {', '.join(f'{m.rank}={m.host_id}' for m in after.members)}")
-        console.print(f"coordinator and agent logs: {out}")
-        return 0
+        demo = DemoRun(config, Display(console))
+        report = demo.run()
+    except DemoError as exc:
+        console.print(f"[red]remesh demo: {exc}[/]")
+        return 2
     except KeyboardInterrupt:
-        console.print("\ninterrupted: stopping every process the demo started")
+        console.print("\ninterrupted: every process the demo started has been stopped")
         return 130
-    except TimeoutError as exc:
-        console.print(f"[red]the demo stalled[/]: {exc}; logs are in {out}")
-        return 1
-    finally:
-        if cluster is not None:
-            cluster.close()
-        if redis is not None:
-            redis.close()
+    _print_summary(console, report, config.out)
+    ok = report["run"]["reached_target"] or bool(config.duration_s)
+    return 0 if ok and report["summary"]["recovered"] == report["summary"]["failures"] else 1
 
 
-def _wait_live(cluster: LocalCluster, epoch: int, timeout: float) -> pb.Event:
-    def live() -> pb.Event | None:
-        try:
-            events = cluster.stub().ReplayEvents(
-                pb.ReplayEventsRequest(types=[pb.EVENT_TYPE_EPOCH_LIVE]), timeout=5
+def _print_summary(console: Console, report: dict[str, Any], out: Path) -> None:
+    s, g = report["summary"], report["goodput"]
+    console.print()
+    console.print(
+        f"[bold]{'remesh in-place recovery' if report['run']['mode'] == 'inplace' else 'whole-job restart baseline'}[/]: "
+        f"trained to step {report['run']['final_step']} in {g['wall_s']:.1f}s, "
+        f"{s['recovered']}/{s['failures']} failure(s) recovered, epochs {s['first_epoch']}→{s['last_epoch']}"
+    )
+    for f in report["failures"]:
+        if not f["recovered"]:
+            console.print(
+                f"  failure {f['index'] + 1} ({f['host_id']}): [red]not recovered[/] ({f.get('missing')})"
             )
-            return next((e for e in events if e.epoch == epoch), None)
-        except grpc.RpcError:
-            return None
+            continue
+        phases = "  ".join(f"{k} {v:.2f}" for k, v in f["phases"].items())
+        console.print(
+            f"  failure {f['index'] + 1}: {f['how']} {f['host_id']} (rank {f['rank']}) → "
+            f"[bold green]recovered in {f['mttr_s']:.2f}s[/] (detected in {f['detected_s']:.2f}s), "
+            f"restored step {f['restored_step']} from {', '.join(f['restore_sources'])}, "
+            f"{f['steps_lost']} step(s) lost"
+        )
+        console.print(f"    phases (s): {phases}", style="dim")
+    bad = ", ".join(f"{k} {v:.1f}s" for k, v in g["badput_s"].items() if abs(v) >= 0.05)
+    console.print(
+        f"  goodput {g['goodput']:.3f} (productive {g['productive_s']:.1f}s of {g['wall_s']:.1f}s; badput: {bad})"
+    )
+    console.print(f"report: {out / 'report.json'}   timeline: {out / 'timeline.png'}   logs: {out / 'logs'}")
 
-    return wait_for(live, timeout, f"epoch {epoch} to be live")  # type: ignore[return-value]
 
-
-def _print_events(cluster: LocalCluster, console: Console, t0: float, stop: threading.Event) -> None:
-    channel = grpc.insecure_channel(cluster.address)
-    from remesh.v1 import coordinator_pb2_grpc as pb_grpc
-
-    call = pb_grpc.CoordinatorStub(channel).ReplayEvents(pb.ReplayEventsRequest(follow=True))
-    threading.Thread(target=lambda: (stop.wait(), call.cancel()), daemon=True).start()
+def _load(path_text: str) -> dict[str, Any]:
+    path = Path(path_text)
+    if path.is_dir():
+        path = path / "report.json"
     try:
-        for e in call:
-            name = pb.EventType.Name(e.type).removeprefix("EVENT_TYPE_").lower()
-            style = _STYLE.get(e.type, "")
-            who = e.host_id or f"epoch {e.epoch}"
-            line = f"{e.time - t0:7.3f}s  {name:<17} {who:<10} {e.reason}"
-            console.print(line, style=style or None, highlight=False, markup=False)
-    except grpc.RpcError:
-        pass
-    finally:
-        channel.close()
+        doc: dict[str, Any] = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SystemExit(f"remesh report: {path} does not exist; run `remesh demo --out DIR` first") from None
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"remesh report: {path} is not a report ({exc})") from None
+    if not {"run", "summary", "goodput", "failures"} <= doc.keys():
+        raise SystemExit(f"remesh report: {path} is not a remesh demo report")
+    return doc
+
+
+def run_report(args: argparse.Namespace) -> int:
+    console = Console(highlight=False)
+    if len(args.runs) > 2:
+        console.print("[red]remesh report: give one run, or two to compare[/]")
+        return 2
+    reports = [_load(p) for p in args.runs]
+    if len(reports) == 1:
+        report = reports[0]
+        if args.json:
+            print(json.dumps(report["summary"] | {"goodput": report["goodput"]}))
+            return 0
+        _print_summary(console, report, Path(args.runs[0]))
+        table = Table("failure", "host", *PHASES, "MTTR", "lost", title="recovery phases (s)")
+        for f in report["failures"]:
+            if f["recovered"]:
+                table.add_row(
+                    str(f["index"] + 1), f["host_id"],
+                    *(f"{f['phases'][p]:.2f}" if p in f["phases"] else "-" for p in PHASES),
+                    f"{f['mttr_s']:.2f}", str(f["steps_lost"]),
+                )  # fmt: skip
+        console.print(table)
+        return 0
+    rows = compare(*reports)
+    if args.json:
+        print(json.dumps([dict(zip(("what", "a", "b", "b_over_a"), row, strict=True)) for row in rows]))
+        return 0
+    table = Table("", f"A: {args.runs[0]}", f"B: {args.runs[1]}", "B/A")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    return 0

@@ -239,7 +239,7 @@ def _topology_dict(msg: pb.Topology) -> dict[str, Any]:
     }
 
 
-def _event_dict(msg: pb.Event) -> dict[str, Any]:
+def event_dict(msg: pb.Event) -> dict[str, Any]:
     return {
         "id": msg.id,
         "type": _enum_name(pb.EventType, msg.type, "EVENT_TYPE_"),
@@ -434,7 +434,7 @@ def _events(args: argparse.Namespace, channel: grpc.Channel) -> int:
         nonlocal shown
         shown += 1
         if args.json:
-            _emit_json(_event_dict(msg))
+            _emit_json(event_dict(msg))
         else:
             console.print(_event_line(msg), soft_wrap=True)
             sys.stdout.flush()
