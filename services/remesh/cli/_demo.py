@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from remesh.demo.report import PHASES, compare
+from remesh.demo.runner import DemoConfig
 
 log = structlog.get_logger("remesh.cli")
 
@@ -68,7 +69,11 @@ def add_parser(sub: Any) -> None:
                    help="Redis URL (env REMESH_REDIS_URL); default: an embedded redis-server")  # fmt: skip
     p.add_argument("--gcs", default=os.environ.get("REMESH_GCS_URL"),
                    help="gs://BUCKET/PREFIX for checkpoints (env REMESH_GCS_URL); default: an embedded GCS emulator")  # fmt: skip
+    p.add_argument("--port", type=int, default=0, help="the coordinator's gRPC port (default: any free one)")
     p.add_argument("--checkpoint-every", type=int, default=25, help="checkpoint every N steps (rank 0)")
+    p.add_argument("--d-model", type=int, default=DemoConfig.d_model, help="model width")
+    p.add_argument("--layers", type=int, default=DemoConfig.layers, help="transformer layers")
+    p.add_argument("--seq-len", type=int, default=DemoConfig.seq_len, help="tokens per training row")
     p.add_argument(
         "--step-sleep", type=float, default=0.05, help="pause after each step (stands for compute)"
     )
@@ -88,7 +93,7 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from remesh.demo.display import Display
-    from remesh.demo.runner import DemoConfig, DemoError, DemoRun, Schedule
+    from remesh.demo.runner import DemoError, DemoRun, Schedule
 
     console = Console(highlight=False)
     kill_at = (
@@ -114,6 +119,10 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
         step_sleep=args.step_sleep,
         duration_s=args.duration,
+        port=args.port,
+        d_model=args.d_model,
+        layers=args.layers,
+        seq_len=args.seq_len,
     )
     # SIGTERM stops the demo like Ctrl-C does: every process it started is stopped.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))

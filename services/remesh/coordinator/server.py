@@ -367,7 +367,10 @@ async def serve(settings: Settings) -> RunningCoordinator:
         (service_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server,
     )
-    port = server.add_insecure_port(settings.listen)
+    try:
+        port = server.add_insecure_port(settings.listen)
+    except RuntimeError:  # newer grpcio raises where older ones returned 0
+        port = 0
     if port == 0:
         await coordinator.stop()
         raise OSError(

@@ -115,6 +115,7 @@ class DemoConfig:
     duration_s: float | None = None  # stop at this many seconds of training even before ``steps``
     replace_failed: bool = True
     devices: int = 2
+    port: int = 0  # the coordinator's gRPC port on 127.0.0.1; 0: any free one
     startup_timeout_s: float = 300.0
     recovery_timeout_s: float = 180.0
 
@@ -141,6 +142,8 @@ class DemoConfig:
                 raise DemoError(f"unknown host {target!r}: choose {TARGETS_HELP} ({', '.join(hosts)})")
         if self.schedule.mtbf_s is not None and self.schedule.mtbf_s <= 0:
             raise DemoError("--mtbf must be a positive number of seconds")
+        if not 0 <= self.port < 65536:
+            raise DemoError(f"--port {self.port} is not a TCP port")
         if self.gcs_url is not None and not self.gcs_url.startswith("gs://"):
             raise DemoError(f"--gcs {self.gcs_url!r} is not a gs://BUCKET/PREFIX address")
 
@@ -201,10 +204,12 @@ class DemoRun:
             # The baseline never shrinks: it waits for the whole job to be launched again.
             extra += ["--min-world-size", str(c.hosts), "--max-wait", "3600"]
         try:
-            self.cluster.start_coordinator(*extra)
+            self.cluster.start_coordinator(*extra, port=c.port)
         except RuntimeError as exc:
+            lines = str(exc).splitlines()
+            cause = next((line for line in reversed(lines) if "cannot" in line or "rror" in line), lines[0])
             raise DemoError(
-                f"the coordinator did not start: {str(exc).splitlines()[0]}; its log is in {self.logs}"
+                f"the coordinator did not start: {cause.strip()} (its log is in {self.logs})"
             ) from exc
         self.display.note(f"coordinator on {self.cluster.address}, job {self.job}")
 

@@ -1,0 +1,230 @@
+"""``remesh demo`` end to end: the real command, real JAX trainer processes, a real Redis whose event
+log the report must agree with, and no process left behind — after success, failure or Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from PIL import Image
+
+from remesh.coordinator.model import Event, EventType
+from remesh.embedded import RedisServer
+
+pytestmark = pytest.mark.integration
+
+# A small model and a short run: the same code paths as the default demo, in about a minute.
+SMALL = [
+    "--d-model",
+    "32",
+    "--layers",
+    "1",
+    "--seq-len",
+    "32",
+    "--checkpoint-every",
+    "10",
+    "--step-sleep",
+    "0.03",
+]
+
+
+def demo(out: Path, *args: str, timeout: float = 240) -> tuple[subprocess.CompletedProcess[str], str]:
+    """Run ``remesh demo`` with a mark in its environment that every process it starts inherits."""
+    mark = uuid.uuid4().hex
+    result = subprocess.run(
+        [sys.executable, "-m", "remesh.cli", "demo", "--out", str(out), *args],
+        env={**os.environ, "REMESH_TEST_MARK": mark, "COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return result, mark
+
+
+def marked_processes(mark: str) -> list[int]:
+    """Pids of live processes (not zombies) carrying ``mark`` in their environment."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if f"REMESH_TEST_MARK={mark}".encode() in environ and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def assert_nothing_left(mark: str) -> None:
+    deadline = time.monotonic() + 10
+    while (left := marked_processes(mark)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert left == [], f"processes left behind: {left}"
+
+
+def stored_events(url: str, job: str) -> list[Event]:
+    client = redis.Redis.from_url(url, decode_responses=True)
+    return [Event.from_json(f["e"], i) for i, f in client.xrange(f"remesh:{{{job}}}:events")]
+
+
+def check_report_against_log(report: dict[str, Any], events: list[Event]) -> None:
+    changed = {e.epoch: e for e in events if e.type is EventType.TOPOLOGY_CHANGED}
+    live = {e.epoch for e in events if e.type is EventType.EPOCH_LIVE}
+    for f in report["failures"]:
+        assert f["recovered"], f
+        epoch = f["epoch_after"]
+        assert epoch in changed and epoch in live and epoch > f["epoch_before"]
+        acks = [e for e in events if e.type is EventType.EPOCH_ACKED and e.epoch == epoch]
+        assert f["restored_step"] == min(int(a.details["restored_step"]) for a in acks)
+        dead = next(
+            e
+            for e in events
+            if e.type is EventType.MEMBER_DEAD and e.host_id == f["host_id"] and e.time >= f["time"]
+        )
+        assert f["detected_s"] == pytest.approx(dead.time - f["time"], abs=1e-6)
+        assert f["steps_lost"] == max(0, f["step_at_failure"] - f["restored_step"])
+    assert report["summary"]["last_epoch"] == max(changed)
+
+
+def check_png(path: Path) -> None:
+    with Image.open(path) as image:
+        image.verify()
+    with Image.open(path) as image:
+        assert image.format == "PNG" and image.size[0] > 500 and image.size[1] > 300
+
+
+@pytest.mark.timeout(300)
+def test_demo_recovers_a_killed_host_and_reports_what_the_event_log_says(tmp_path: Path) -> None:
+    with RedisServer(appendonly=False) as server:
+        result, mark = demo(
+            tmp_path, "--redis", server.url, "--hosts", "2", "--spares", "1", "--steps", "60",
+            "--kill-at", "25", "--kill", "host-1", *SMALL,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        report = json.loads((tmp_path / "report.json").read_text())
+        events = stored_events(server.url, report["run"]["job"])
+    assert_nothing_left(mark)
+    s = report["summary"]
+    assert s["failures"] == 1 and s["recovered"] == 1
+    assert s["last_epoch"] > s["first_epoch"]
+    assert report["run"]["final_step"] >= 60 and report["run"]["reached_target"]
+    (f,) = report["failures"]
+    assert f["host_id"] == "host-1" and f["step_at_failure"] >= 25
+    # The spare took host-1's rank and the survivor restored from host memory: nothing lost.
+    assert "hot spare spare-0 takes rank 1 of host-1" in f["topology_reason"]
+    assert f["steps_lost"] <= 1
+    assert set(f["phases"]) == {"detect", "decide", "broadcast", "reinit", "restore", "compile", "first_step"}
+    check_report_against_log(report, events)
+    assert 0 < report["goodput"]["goodput"] < 1
+    check_png(tmp_path / "timeline.png")
+    assert "recovered in" in result.stdout and "report.json" in result.stdout
+
+
+@pytest.mark.timeout(420)
+def test_demo_survives_two_failures_in_a_row_one_of_them_the_host_of_process_0(tmp_path: Path) -> None:
+    with RedisServer(appendonly=False) as server:
+        result, mark = demo(
+            tmp_path, "--redis", server.url, "--hosts", "2", "--spares", "1", "--steps", "70",
+            "--kill-at", "20,45", "--kill", "rank0,any", "--seed", "3", *SMALL,
+            timeout=360,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        report = json.loads((tmp_path / "report.json").read_text())
+        events = stored_events(server.url, report["run"]["job"])
+    assert_nothing_left(mark)
+    assert report["summary"]["failures"] == 2 and report["summary"]["recovered"] == 2
+    first, second = report["failures"]
+    assert first["rank"] == 0
+    assert second["epoch_before"] >= first["epoch_after"]
+    assert report["run"]["reached_target"]
+    check_report_against_log(report, events)
+    check_png(tmp_path / "timeline.png")
+
+
+@pytest.mark.timeout(300)
+def test_the_restart_baseline_relaunches_the_whole_job_from_a_checkpoint(tmp_path: Path) -> None:
+    result, mark = demo(
+        tmp_path, "--baseline", "restart", "--hosts", "2", "--steps", "50", "--kill-at", "25",
+        "--kill", "host-1", *SMALL,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert_nothing_left(mark)
+    report = json.loads((tmp_path / "report.json").read_text())
+    (f,) = report["failures"]
+    assert report["run"]["mode"] == "restart" and f["recovered"]
+    assert "relaunch" in f["phases"] and "decide" not in f["phases"]
+    # Every trainer process was new: the state came from the newest checkpoint (every 10 steps).
+    assert f["restore_sources"] == ["gcs"]
+    assert f["restored_step"] % 10 == 0 and f["restored_step"] <= f["step_at_failure"]
+    # `remesh report A B` compares two runs; here the run with itself: every ratio is 1.
+    compared = subprocess.run(
+        [sys.executable, "-m", "remesh.cli", "report", str(tmp_path), str(tmp_path), "--json"],
+        capture_output=True, text=True, timeout=30, check=True,
+    )  # fmt: skip
+    rows = {r["what"]: r for r in json.loads(compared.stdout)}
+    assert rows["goodput"]["b_over_a"] == "1.00x"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--kill", "host-7"], "unknown host 'host-7'"),
+        (["--steps", "50", "--kill-at", "80"], "--kill-at 80 is outside the run"),
+        (["--redis", "redis://127.0.0.1:1/0"], "Redis at redis://127.0.0.1:1/0 does not answer"),
+    ],
+)
+def test_bad_arguments_are_refused_with_a_clear_message(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    result, mark = demo(tmp_path, *args, timeout=60)
+    assert result.returncode == 2
+    assert message in " ".join((result.stdout + result.stderr).split())
+    assert_nothing_left(mark)
+
+
+def test_a_taken_port_is_refused_and_the_services_started_are_stopped(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result, mark = demo(tmp_path, "--port", str(port), timeout=90)
+    assert result.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in " ".join(result.stdout.split())
+    assert_nothing_left(mark)
+
+
+def test_ctrl_c_stops_every_process_the_demo_started(tmp_path: Path) -> None:
+    mark = uuid.uuid4().hex
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "remesh.cli", "demo", "--out", str(tmp_path), "--hosts", "2", *SMALL],
+        env={**os.environ, "REMESH_TEST_MARK": mark},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while len(list((tmp_path / "logs").glob("agent-*.log"))) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(2)  # the agents have started their trainers
+        assert len(marked_processes(mark)) > 5
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out
+    assert "interrupted" in out
+    assert_nothing_left(mark)
