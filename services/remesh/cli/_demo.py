@@ -164,7 +164,7 @@ def _print_summary(console: Console, report: dict[str, Any], out: Path) -> None:
         console.print(f"    phases (s): {phases}", style="dim")
     bad = ", ".join(f"{k} {v:.1f}s" for k, v in g["badput_s"].items() if abs(v) >= 0.05)
     console.print(
-        f"  goodput {g['goodput']:.3f} (productive {g['productive_s']:.1f}s of {g['wall_s']:.1f}s; badput: {bad})"
+        f"  goodput {g['goodput']:.3f}, {g['running_goodput']:.3f} after start-up (productive {g['productive_s']:.1f}s of {g['wall_s']:.1f}s; badput: {bad})"
     )
     console.print(f"report: {out / 'report.json'}   timeline: {out / 'timeline.png'}   logs: {out / 'logs'}")
 

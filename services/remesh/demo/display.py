@@ -49,9 +49,11 @@ def _phases_text(details: dict[str, str]) -> str:
 
 
 class Display:
-    def __init__(self, console: Console | None = None, *, quiet: bool = False) -> None:
+    def __init__(self, console: Console | None = None, *, quiet: bool = False, brief: bool = False) -> None:
+        """``quiet``: show nothing; ``brief``: only notes, failures and recoveries (for benchmarks)."""
         self.console = console or Console(highlight=False)
         self.quiet = quiet
+        self.brief = brief
         self.t0 = time.time()
         self._live: Live | None = None
         self._lock = threading.Lock()
@@ -59,7 +61,7 @@ class Display:
 
     def __enter__(self) -> Display:
         self.t0 = time.time()
-        if self.console.is_terminal and not self.quiet:
+        if self.console.is_terminal and not (self.quiet or self.brief):
             self._live = Live(Text("starting…"), console=self.console, refresh_per_second=4, transient=True)
             self._live.start()
         return self
@@ -93,7 +95,7 @@ class Display:
 
     def event(self, e: dict[str, Any]) -> None:
         kind = e["type"]
-        if kind in _QUIET:
+        if kind in _QUIET or self.brief:
             return
         who = e["host_id"] or f"epoch {e['epoch']}"
         reason = e["reason"]
@@ -134,7 +136,7 @@ class Display:
                     str(m.last_step) if m.last_step >= 0 else "-",
                 )
             self._live.update(Group(Text(headline, style="bold"), table))
-        elif not self.quiet and time.time() - self._last_progress >= _PROGRESS_EVERY_S:
+        elif not (self.quiet or self.brief) and time.time() - self._last_progress >= _PROGRESS_EVERY_S:
             self._last_progress = time.time()
             states = ", ".join(
                 f"{m.host_id}={_STATE.get(m.state, ('?', ''))[0]}" for m in members if m.rank >= 0
