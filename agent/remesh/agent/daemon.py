@@ -90,13 +90,24 @@ class Agent:
         # Set by a progress report: the next heartbeat goes out at once, so the coordinator knows
         # every member's last step within milliseconds (it picks the restore step from them).
         self._progress = asyncio.Event()
+        # When the last stream to a coordinator broke (None while one is open): the lease clock.
+        self._lost_at: float | None = None
 
     # ---- coordinator connection ------------------------------------------------------------------
 
     def _connect(self) -> pb_grpc.CoordinatorStub:
         if self._stub is None:
             address = self.settings.coordinators[self._coordinator_index % len(self.settings.coordinators)]
-            self._channel = grpc.aio.insecure_channel(address)
+            ping_ms = int(self.settings.keepalive_s * 1000)
+            self._channel = grpc.aio.insecure_channel(
+                address,
+                options=[
+                    ("grpc.keepalive_time_ms", ping_ms),
+                    ("grpc.keepalive_timeout_ms", ping_ms),
+                    ("grpc.keepalive_permit_without_calls", 1),
+                    ("grpc.http2.max_pings_without_data", 0),
+                ],
+            )
             self._stub = pb_grpc.CoordinatorStub(self._channel)
         return self._stub
 
@@ -118,6 +129,7 @@ class Agent:
             "agent started", local_api=self.local_address, coordinators=",".join(self.settings.coordinators)
         )
         backoff = self.settings.reconnect_initial_s
+        lease = asyncio.create_task(self._lease_watch(), name="lease")
         try:
             while not self._stopping.is_set():
                 try:
@@ -133,6 +145,8 @@ class Agent:
                         grpc.StatusCode.FAILED_PRECONDITION,
                     ):
                         raise AgentExit(f"coordinator refused this agent: {exc.details()}", code=2) from exc
+                    if self._lost_at is None:
+                        self._lost_at = time.monotonic()
                     self.log.warning(
                         "coordinator unreachable; retrying",
                         error=exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc),
@@ -147,6 +161,7 @@ class Agent:
             (self.log.info if exc.code == 0 else self.log.error)("agent exiting", reason=str(exc))
             return exc.code
         finally:
+            lease.cancel()
             await self._stop_trainer("agent stopping", warm_too=True)
             await local.stop(0.2)
             await self._disconnect(rotate=False)
@@ -183,6 +198,7 @@ class Agent:
             timeout=5,
         )
         self.incarnation = reply.member.incarnation
+        self._lost_at = None
         self.log = log.bind(host=self.settings.host_id, incarnation=self.incarnation)
         self.log.info("registered", role=pb.Role.Name(reply.member.role), epoch=reply.topology.epoch)
         interval = reply.heartbeat_interval_s or 0.1
@@ -212,6 +228,28 @@ class Agent:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._progress.wait(), interval)
             self._progress.clear()
+
+    async def _lease_watch(self) -> None:
+        """Stop the ranked trainer once no coordinator has been reachable for ``lease_s``."""
+        lease_s = self.settings.lease_s
+        if lease_s <= 0:
+            return
+        while True:
+            await asyncio.sleep(min(0.1, lease_s / 4))
+            lost_at, trainer = self._lost_at, self.trainer
+            if lost_at is None or trainer is None or not trainer.running():
+                continue
+            if rank_of(self.topology, self.settings.host_id) < 0:
+                continue  # a standby trainer holds no rank: nothing to fence
+            cut_off = time.monotonic() - lost_at
+            if cut_off >= lease_s:
+                self.log.warning(
+                    "lease lost: no coordinator reachable; stopping the trainer, which may no longer "
+                    "hold its rank",
+                    cut_off_s=round(cut_off, 2),
+                    epoch=self.topology.epoch,
+                )
+                await self._stop_trainer(f"lease lost after {cut_off:.1f}s without a coordinator")
 
     # ---- trainer supervision ---------------------------------------------------------------------
 

@@ -32,3 +32,12 @@ class AgentSettings:
     warm_standby: bool = True
     # How long a trainer told to stop gets before SIGKILL.
     stop_grace_s: float = 5.0
+    # An agent that has had no stream to any coordinator for this long assumes it was cut off and
+    # declared dead (its rank given to another host): it stops its ranked trainer, which must not
+    # train or write for an epoch it no longer belongs to, and rejoins as a spare when the link
+    # returns. Longer than a coordinator restart takes (the coordinator grants every member a fresh
+    # deadline after one); the checkpoint fence covers the moments in between. 0 turns it off.
+    lease_s: float = 5.0
+    # HTTP/2 keepalive pings on the coordinator channel: a link that silently drops packets breaks
+    # the stream after about twice this, instead of after TCP's minutes.
+    keepalive_s: float = 0.5

@@ -63,6 +63,8 @@ class CheckpointStore(Protocol):
 
     def restore_state(self, step: int, template: PyTree) -> PyTree: ...
 
+    def fence(self, epoch: int) -> None: ...
+
 
 @dataclass(frozen=True)
 class Policy:
@@ -238,6 +240,10 @@ class Session:
         state = jax.tree_util.tree_unflatten(self._treedef, [jax.device_put(x, replicated) for x in leaves])
         phases["restore"] = time.monotonic() - t
         compiled, phases["compile"] = compiling.result()
+        if assignment.rank == 0 and self.checkpoints:
+            # From now on a writer of an older epoch (a host cut off from the coordinator that has
+            # not noticed yet) is refused by every tier. In the background, before any save.
+            self._saver.submit(self._fence_all, assignment.epoch)
         self.runtime.barrier("compiled", self.policy.init_timeout_s)
         log.info("epoch ready", epoch=assignment.epoch, step=step, source=source, **_rounded(phases))
 
@@ -373,6 +379,15 @@ class Session:
             t = time.monotonic()
             self._saving.result()
             self.stats["checkpoint_wait_s"] += time.monotonic() - t
+
+    def _fence_all(self, epoch: int) -> None:
+        for store in self.checkpoints:
+            try:
+                store.fence(epoch)
+            except Exception as exc:  # a newer epoch already wrote (StaleEpoch), or the tier is down
+                log.warning(
+                    "could not raise the checkpoint fence", store=store.name, epoch=epoch, error=str(exc)
+                )
 
     def _save_all(self, step: int, epoch: int, tree: PyTree) -> None:
         t = time.monotonic()

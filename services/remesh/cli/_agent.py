@@ -47,6 +47,12 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="do not keep a second, idle trainer process ready to replace the active one",
     )
+    p.add_argument(
+        "--lease",
+        type=float,
+        default=5.0,
+        help="seconds without any coordinator after which the trainer is stopped as cut off (0: never)",
+    )
     p.add_argument("--local-listen", default="127.0.0.1:0", help="address of the local API for the trainer")
     p.add_argument("trainer", nargs=argparse.REMAINDER, help="-- followed by the trainer command")
     p.set_defaults(run=run)
@@ -73,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         local_listen=args.local_listen,
         hang_timeout_s=args.hang_timeout,
         warm_standby=not args.no_warm_standby,
+        lease_s=args.lease,
     )
     return asyncio.run(_main(Agent(settings)))
 

@@ -358,7 +358,14 @@ async def serve(settings: Settings) -> RunningCoordinator:
     store = RedisStore(settings.redis_url, settings.job_id)
     coordinator = Coordinator(settings, store)
     await coordinator.start()
-    server = grpc.aio.server()
+    # Agents ping every half second to notice a dead link quickly: allow it, never count strikes.
+    server = grpc.aio.server(
+        options=[
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 100),
+            ("grpc.http2.max_ping_strikes", 0),
+            ("grpc.keepalive_permit_without_calls", 1),
+        ]
+    )
     add_servicer(CoordinatorServicer(coordinator), server)
     health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
