@@ -88,6 +88,8 @@ def start_ha_job(cluster: Cluster, replicas: int = 3) -> Replicas:
     r = Replicas(cluster, replicas)
     leader = r.leader()
     r.use(leader)
+    # Followers first: every agent starts at a follower and must follow its hint to the leader.
+    cluster.addresses = [a for a in r.procs if a != leader] + [leader]
     for h in ACTIVE:
         cluster.start_agent(h, extra=AGENT_ARGS)
     cluster.start_agent("spare-0", spare=True, extra=AGENT_ARGS)
@@ -130,6 +132,9 @@ def test_followers_serve_reads_then_sigkill_of_the_leader_a_follower_leads_withi
         assert dict(refused.value.trailing_metadata())["remesh-leader"] == old
         assert f"the leader is at {old}" in refused.value.details()
     assert "late-host" not in cluster.members(), "a refused write changes nothing"
+    for host in cluster.agents:
+        log = cluster.agents[host].output()
+        assert "coordinator is a follower" in log and "following=True" in log, log[-2000:]
 
     r.procs[old].kill()  # SIGKILL
     killed_at = time.monotonic()
