@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from remesh.embedded import RedisServer
+from remesh.embedded.redis_cluster import RedisClusterServers
 from tests.procs import Cluster
 
 
@@ -33,6 +34,31 @@ def job_id() -> str:
 @pytest.fixture
 def cluster(tmp_path: Path, redis_server: RedisServer, job_id: str) -> Iterator[Cluster]:
     c = Cluster(tmp_path, redis_server.url, job_id)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_servers() -> Iterator[RedisClusterServers]:
+    """A real 3-master Redis Cluster (redis-cli --cluster create), shared by the session."""
+    with RedisClusterServers(masters=3) as servers:
+        yield servers
+
+
+@pytest.fixture(params=["redis", "redis-cluster"])
+def redis_url(request: pytest.FixtureRequest) -> str:
+    """The same test against one redis-server and against a 3-master Redis Cluster."""
+    if request.param == "redis-cluster":
+        return str(request.getfixturevalue("redis_cluster_servers").url)
+    return str(request.getfixturevalue("redis_server").url)
+
+
+@pytest.fixture
+def any_cluster(tmp_path: Path, redis_url: str, job_id: str) -> Iterator[Cluster]:
+    """A job on one redis-server, then on a Redis Cluster (``redis+cluster://``)."""
+    c = Cluster(tmp_path, redis_url, job_id)
     try:
         yield c
     finally:

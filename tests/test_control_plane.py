@@ -1,5 +1,6 @@
 """The control plane end to end: real redis-server, a real coordinator process, real agent and
-stand-in trainer processes, killed and stopped with real signals."""
+stand-in trainer processes, killed and stopped with real signals. Tests taking ``any_cluster`` run
+twice: on one redis-server and on a 3-master Redis Cluster."""
 
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ class Watcher:
         self._channel.close()
 
 
-def test_sigkill_of_an_active_host_is_replaced_by_the_spare_within_a_second(cluster: Cluster) -> None:
+def test_sigkill_of_an_active_host_is_replaced_by_the_spare_within_a_second(any_cluster: Cluster) -> None:
+    cluster = any_cluster  # one redis-server, then a Redis Cluster
     before = start_job(cluster)
     ranks = {m.host_id: m.rank for m in before.members}
     assert sorted(ranks) == ACTIVE
@@ -259,7 +261,8 @@ def test_a_hung_trainer_is_killed_reported_and_replaced(cluster: Cluster) -> Non
     assert fault.details["kind"] == "trainer_hung"
 
 
-def test_drain_replaces_the_host_and_its_agent_leaves(cluster: Cluster) -> None:
+def test_drain_replaces_the_host_and_its_agent_leaves(any_cluster: Cluster) -> None:
+    cluster = any_cluster  # one redis-server, then a Redis Cluster
     start_job(cluster)
     member = (
         cluster.stub().Drain(pb.DrainRequest(host_id="host-3", reason="kernel upgrade"), timeout=5).member

@@ -11,6 +11,12 @@ Beside the active trainer the agent keeps a warm standby process (same command, 
 rank -1): when the active trainer dies as collateral damage (a peer's death aborted its JAX runtime)
 the standby is promoted at once, so the host rejoins without paying for a process start.
 
+With several coordinator replicas the agent finds the leader itself: a follower refuses with
+UNAVAILABLE and names the leader in the trailing metadata ``remesh-leader``; the agent goes there at
+once (unless that address just failed: a dead leader is named until its lease runs out), else tries
+the next address after a short pause. A leader that stops answering (no message on the heartbeat
+stream, not even its keepalive, for ``coordinator_silence_s``) counts as lost, like a broken stream.
+
 The trainer talks to the agent through the local API (``remesh.v1.AgentLocal``) whose address it finds
 in ``REMESH_AGENT_ADDRESS``; its assignment for the epoch it was started on is in its environment too.
 """
@@ -52,7 +58,25 @@ class _Reregister(Exception):
 
 
 class _StreamEnded(Exception):
-    """The coordinator closed the heartbeat stream without a command (it is shutting down)."""
+    """The coordinator closed the heartbeat stream without a command (it is shutting down), or
+    stopped answering on it."""
+
+
+_EOF: Any = getattr(grpc.aio, "EOF")  # noqa: B009 - the type stubs lack it
+
+# The trailing metadata key in which a follower coordinator names the leader (remesh.coordinator.server).
+LEADER_METADATA = "remesh-leader"
+
+
+def leader_hint(exc: grpc.aio.AioRpcError) -> str | None:
+    """The leader a follower named in its refusal ("" if it knows none); None if it was no follower's."""
+    if exc.code() != grpc.StatusCode.UNAVAILABLE:
+        return None
+    metadata: Any = exc.trailing_metadata() or ()  # grpc.aio.Metadata: (key, value) pairs
+    for key, value in metadata:
+        if key == LEADER_METADATA:
+            return value if isinstance(value, str) else value.decode()
+    return None
 
 
 def rank_of(topology: pb.Topology, host_id: str) -> int:
@@ -80,6 +104,12 @@ class Agent:
         # A trainer that died as collateral damage of a topology change waits for the next epoch.
         self._restart_after_epoch: int | None = None
         self._coordinator_index = 0
+        # The leader a follower named, tried before the configured addresses; and the address that
+        # last failed to answer (a hint naming it is stale: the dead leader's lease has not run out).
+        self._leader: str | None = None
+        self._unreachable = ""
+        self._address = ""
+        self._backoff = settings.reconnect_initial_s
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.CoordinatorStub | None = None
         self._stopping = asyncio.Event()
@@ -97,7 +127,11 @@ class Agent:
 
     def _connect(self) -> pb_grpc.CoordinatorStub:
         if self._stub is None:
-            address = self.settings.coordinators[self._coordinator_index % len(self.settings.coordinators)]
+            address = (
+                self._leader
+                or self.settings.coordinators[self._coordinator_index % len(self.settings.coordinators)]
+            )
+            self._address = address
             ping_ms = int(self.settings.keepalive_s * 1000)
             self._channel = grpc.aio.insecure_channel(
                 address,
@@ -116,7 +150,9 @@ class Agent:
             await self._channel.close(grace=None)
         self._channel, self._stub = None, None
         if rotate:
-            self._coordinator_index += 1
+            if self._leader is None:
+                self._coordinator_index += 1
+            self._leader = None
 
     async def run(self) -> int:
         """Serve until told to stop; returns the process exit code."""
@@ -128,34 +164,39 @@ class Agent:
         self.log.info(
             "agent started", local_api=self.local_address, coordinators=",".join(self.settings.coordinators)
         )
-        backoff = self.settings.reconnect_initial_s
         lease = asyncio.create_task(self._lease_watch(), name="lease")
         try:
             while not self._stopping.is_set():
                 try:
                     await self._session()
-                    backoff = self.settings.reconnect_initial_s
                 except _Reregister as exc:
                     self.log.warning("coordinator asked to register again", reason=str(exc))
                     await self._stop_trainer("this incarnation is no longer a member")
-                    backoff = self.settings.reconnect_initial_s
+                    self._backoff = self.settings.reconnect_initial_s
                 except (grpc.aio.AioRpcError, _StreamEnded) as exc:
                     if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in (
                         grpc.StatusCode.INVALID_ARGUMENT,
                         grpc.StatusCode.FAILED_PRECONDITION,
                     ):
                         raise AgentExit(f"coordinator refused this agent: {exc.details()}", code=2) from exc
+                    hint = leader_hint(exc) if isinstance(exc, grpc.aio.AioRpcError) else None
+                    if hint is not None:
+                        # A replica answered: this host is not cut off, whatever the leader's state.
+                        self._lost_at = None
+                        await self._follow(hint)
+                        continue
                     if self._lost_at is None:
                         self._lost_at = time.monotonic()
                     self.log.warning(
                         "coordinator unreachable; retrying",
+                        address=self._address,
                         error=exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc),
-                        retry_in_s=round(backoff, 3),
+                        retry_in_s=round(self._backoff, 3),
                     )
+                    self._unreachable = self._address
                     await self._disconnect(rotate=True)
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._stopping.wait(), backoff * (0.5 + random.random()))
-                    backoff = min(backoff * 2, self.settings.reconnect_max_s)
+                    await self._pause(self._backoff)
+                    self._backoff = min(self._backoff * 2, self.settings.reconnect_max_s)
             return 0
         except AgentExit as exc:
             (self.log.info if exc.code == 0 else self.log.error)("agent exiting", reason=str(exc))
@@ -165,6 +206,23 @@ class Agent:
             await self._stop_trainer("agent stopping", warm_too=True)
             await local.stop(0.2)
             await self._disconnect(rotate=False)
+
+    async def _pause(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), seconds * (0.5 + random.random()))
+
+    async def _follow(self, leader: str) -> None:
+        """A follower answered: go to the leader it names at once, or try the next address shortly
+        (no leader known yet, or it names the one that just failed)."""
+        usable = leader and leader != self._unreachable and leader != self._address
+        self.log.info(
+            "coordinator is a follower", address=self._address, leader=leader or None, following=bool(usable)
+        )
+        await self._disconnect(rotate=not usable)
+        if usable:
+            self._leader = leader
+        else:
+            await self._pause(self.settings.leader_retry_s)
 
     def request_shutdown(self, reason: str) -> None:
         """From a signal handler: shut down in the background."""
@@ -195,15 +253,28 @@ class Agent:
                 device_count=self.settings.device_count,
                 address=self.settings.address,
             ),
-            timeout=5,
+            timeout=self.settings.coordinator_silence_s,
         )
+        self._backoff = self.settings.reconnect_initial_s
+        self._unreachable = ""
         self.incarnation = reply.member.incarnation
         self._lost_at = None
         self.log = log.bind(host=self.settings.host_id, incarnation=self.incarnation)
         self.log.info("registered", role=pb.Role.Name(reply.member.role), epoch=reply.topology.epoch)
         interval = reply.heartbeat_interval_s or 0.1
         call = stub.Heartbeat(self._heartbeats(interval))
-        async for message in call:
+        silence = self.settings.coordinator_silence_s
+        while True:
+            try:
+                message = await asyncio.wait_for(call.read(), silence)
+            except TimeoutError:
+                call.cancel()
+                raise _StreamEnded(
+                    f"the coordinator at {self._address} sent nothing for {silence}s (not even a keepalive)"
+                ) from None
+            if message is _EOF:
+                break
+            assert isinstance(message, pb.HeartbeatResponse)
             if message.HasField("topology"):
                 await self._on_topology(message.topology)
             if message.command == pb.COMMAND_REREGISTER:

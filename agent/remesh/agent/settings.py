@@ -27,6 +27,13 @@ class AgentSettings:
     # is not hit by every agent at once, yet is found again within a second.
     reconnect_initial_s: float = 0.05
     reconnect_max_s: float = 1.0
+    # A coordinator that sends nothing on the heartbeat stream for this long (it sends a keepalive
+    # every 0.5 s) is taken for lost, as if the stream broke; also the deadline of a registration.
+    # Below the 3 s a new leader grants every member, so agents of a stopped leader move in time.
+    coordinator_silence_s: float = 2.0
+    # A follower coordinator that knows no leader yet is asked again after this long: an election
+    # takes a lease TTL, and a follower answers without touching Redis.
+    leader_retry_s: float = 0.1
     # Keep a second trainer process warm (started, imports done, waiting for a rank) to replace the
     # active one at once when a peer's death aborts it. Costs one idle process per host.
     warm_standby: bool = True

@@ -1,4 +1,4 @@
-"""``remesh coordinator``: serve one job's membership from Redis."""
+"""``remesh coordinator``: serve one job's membership from Redis, alone or as one of several replicas."""
 
 from __future__ import annotations
 
@@ -26,7 +26,31 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--redis",
         default=os.environ.get("REMESH_REDIS_URL", "redis://127.0.0.1:6379/0"),
-        help="Redis URL (env REMESH_REDIS_URL), or 'embedded' to start a private redis-server",
+        help="Redis URL (env REMESH_REDIS_URL): redis://, rediss:// (TLS), redis+cluster:// or "
+        "rediss+cluster:// (Redis Cluster, any node), or 'embedded' to start a private redis-server",
+    )
+    p.add_argument(
+        "--redis-username",
+        default=os.environ.get("REMESH_REDIS_USERNAME"),
+        help="Redis ACL user (env REMESH_REDIS_USERNAME); the password is read from env "
+        "REMESH_REDIS_PASSWORD or --redis-password-file, never from a flag",
+    )
+    p.add_argument("--redis-password-file", help="file holding the Redis password (e.g. a mounted secret)")
+    p.add_argument("--redis-ca-file", help="CA bundle (PEM) that verifies the Redis server's TLS certificate")
+    p.add_argument(
+        "--ha",
+        action="store_true",
+        help="run as one of several replicas on the same Redis and job: one leads (Redis lease), the "
+        "others serve reads and point writers to the leader",
+    )
+    p.add_argument(
+        "--advertise",
+        default=os.environ.get("REMESH_ADVERTISE"),
+        help="HOST:PORT agents reach this replica at (env REMESH_ADVERTISE; implies --ha); "
+        "default: the listen address",
+    )
+    p.add_argument(
+        "--lease-ttl", type=float, help="seconds a dead leader's lease lasts before a follower takes over"
     )
     p.add_argument("--job", default=os.environ.get("REMESH_JOB", "default"), help="job id (env REMESH_JOB)")
     p.add_argument("--listen", default="127.0.0.1:50051", help="gRPC address; port 0 picks a free port")
@@ -72,9 +96,19 @@ def settings_from_args(args: argparse.Namespace, redis_url: str) -> Settings:
         world_size_must_divide=args.must_divide,
         max_wait_s=args.max_wait,
     )
+    ha = replace(base.ha, enabled=bool(args.ha or args.advertise), advertise=args.advertise or "")
+    if args.lease_ttl:
+        ha = replace(ha, lease_ttl_s=args.lease_ttl)
+    password = os.environ.get("REMESH_REDIS_PASSWORD")
+    if args.redis_password_file:
+        password = Path(args.redis_password_file).read_text().strip()
     return Settings(
         job_id=args.job,
         redis_url=redis_url,
+        redis_username=args.redis_username,
+        redis_password=password,
+        redis_ca_file=args.redis_ca_file,
+        ha=ha,
         listen=args.listen,
         metrics_port=args.metrics_port,
         detector=d,
@@ -100,7 +134,12 @@ def run(args: argparse.Namespace) -> int:
         redis_url = embedded.url
         log.info("embedded redis started", url=redis_url, dir=embedded.directory)
     try:
-        return asyncio.run(_serve(settings_from_args(args, redis_url), args.port_file))
+        try:
+            settings = settings_from_args(args, redis_url)
+        except OSError as exc:
+            log.error("invalid settings", error=str(exc))
+            return 2
+        return asyncio.run(_serve(settings, args.port_file))
     finally:
         if embedded is not None:
             embedded.close()
@@ -112,6 +151,9 @@ async def _serve(settings: Settings, port_file: str | None) -> int:
 
     try:
         running = await serve(settings)
+    except ValueError as exc:
+        log.error("cannot start", error=str(exc))
+        return 2
     except StoreUnavailable as exc:
         log.error("cannot start", error=str(exc))
         return 2

@@ -9,7 +9,11 @@
     │                       incarnation or epoch, dead member, halted job)    -> FAILED_PRECONDITION
     └── TemporaryError      try again with backoff
         ├── StoreUnavailable  Redis cannot be reached                       -> UNAVAILABLE
-        └── Conflict          another writer changed the state first        -> ABORTED
+        ├── Conflict          another writer changed the state first        -> ABORTED
+        └── NotLeader         this replica does not lead: ask the leader    -> UNAVAILABLE, with the
+            │                 (its address, when known, is in ``leader``)      leader's address in the
+            └── Fenced        the store refused a write: another replica       trailing metadata
+                              holds a newer lease (this one steps down)        ``remesh-leader``
 
 The gRPC status of each is chosen in one place, ``remesh.coordinator.server``.
 """
@@ -19,8 +23,10 @@ from __future__ import annotations
 __all__ = [
     "Conflict",
     "CoordinatorError",
+    "Fenced",
     "InvalidRequest",
     "NotFound",
+    "NotLeader",
     "Rejected",
     "StoreUnavailable",
     "TemporaryError",
@@ -52,4 +58,14 @@ class StoreUnavailable(TemporaryError):
 
 
 class Conflict(TemporaryError):
+    pass
+
+
+class NotLeader(TemporaryError):
+    def __init__(self, message: str, leader: str = "") -> None:
+        super().__init__(message)
+        self.leader = leader
+
+
+class Fenced(NotLeader):
     pass

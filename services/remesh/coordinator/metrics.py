@@ -30,6 +30,18 @@ class Metrics:
             "remesh_epochs_published", "Topology epochs published", registry=self.registry
         )
         self.events = Counter("remesh_events", "Events appended to the log", ["type"], registry=self.registry)
+        self.leader = Gauge(
+            "remesh_leader", "1 while this replica leads the job, 0 while it follows", registry=self.registry
+        )
+        self.leader.set(1)  # a single replica always leads
+        self.fencing_token = Gauge(
+            "remesh_fencing_token",
+            "Fencing token of this replica's lease (0: never led)",
+            registry=self.registry,
+        )
+        self.role_changes = Counter(
+            "remesh_role_changes", "Times this replica became leader or stepped down", registry=self.registry
+        )
         self.store_errors = Counter(
             "remesh_store_errors", "Redis operations that failed (store unreachable)", registry=self.registry
         )

@@ -1,8 +1,10 @@
 """The coordinator's gRPC adapter (grpc.aio): requests in, ``Coordinator`` calls, statuses out.
 
-Every ``CoordinatorError`` is turned into its gRPC status here and nowhere else. The standard health
-service and server reflection run beside the Coordinator service, so probes and generic clients
-(grpcurl, grpc_health_probe) work without the .proto files.
+Every ``CoordinatorError`` is turned into its gRPC status here and nowhere else. A follower replica
+answers writes with UNAVAILABLE and the leader's address in the trailing metadata ``remesh-leader``
+(empty while no leader is known). The standard health service and server reflection run beside the
+Coordinator service, so probes and generic clients (grpcurl, grpc_health_probe) work without the
+.proto files; followers report SERVING too (they serve reads).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -26,18 +29,20 @@ from remesh.coordinator.errors import (
     CoordinatorError,
     InvalidRequest,
     NotFound,
+    NotLeader,
     Rejected,
     StoreUnavailable,
 )
 from remesh.coordinator.membership import FaultKind, validate_host_id
 from remesh.coordinator.model import Event, EventType
+from remesh.coordinator.redis_connection import RedisConnection
 from remesh.coordinator.service import Coordinator
 from remesh.coordinator.settings import Settings
 from remesh.coordinator.store import RedisStore
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
 
-__all__ = ["RunningCoordinator", "serve"]
+__all__ = ["LEADER_METADATA", "RunningCoordinator", "serve"]
 
 log = structlog.get_logger("remesh.coordinator")
 
@@ -49,7 +54,10 @@ _STATUS: list[tuple[type[CoordinatorError], grpc.StatusCode]] = [
     (Rejected, grpc.StatusCode.FAILED_PRECONDITION),
     (StoreUnavailable, grpc.StatusCode.UNAVAILABLE),
     (Conflict, grpc.StatusCode.ABORTED),
+    (NotLeader, grpc.StatusCode.UNAVAILABLE),
 ]
+# Trailing metadata of a follower's refusal: where the leader serves ("" while none is known).
+LEADER_METADATA = "remesh-leader"
 _EVENT_ID = re.compile(r"^\d+(-\d+)?$")
 _FAULT = {
     pb.FAULT_KIND_TRAINER_EXITED: FaultKind.TRAINER_EXITED,
@@ -65,11 +73,17 @@ def status_of(exc: CoordinatorError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+async def _abort(context: grpc.aio.ServicerContext, exc: CoordinatorError) -> None:
+    if isinstance(exc, NotLeader):
+        await context.abort(status_of(exc), str(exc), trailing_metadata=((LEADER_METADATA, exc.leader),))
+    await context.abort(status_of(exc), str(exc))
+
+
 async def _answer(context: grpc.aio.ServicerContext, call: Awaitable[T]) -> T:
     try:
         return await call
     except CoordinatorError as exc:
-        await context.abort(status_of(exc), str(exc))
+        await _abort(context, exc)
         raise AssertionError("unreachable") from exc  # abort always raises
 
 
@@ -172,23 +186,32 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             yield pb.HeartbeatResponse(command=pb.COMMAND_REREGISTER, reason=str(exc))
             return
         except CoordinatorError as exc:
-            await context.abort(status_of(exc), str(exc))
+            await _abort(context, exc)
         stream = self._c.attach_stream(first.host_id, first.incarnation)
         reader = asyncio.create_task(self._read(request_iterator, first))
         topologies = aiter(self._c.watch_topology(self._c.state.epoch))
         next_topology = asyncio.ensure_future(anext(topologies))
         next_command = asyncio.ensure_future(stream.commands.get())
+        keepalive = self._c.settings.ha.keepalive_s
         try:
             yield pb.HeartbeatResponse(topology=convert.topology_to_pb(self._c.state.topology))
             while True:
                 done, _ = await asyncio.wait(
-                    {next_topology, next_command, reader}, return_when=asyncio.FIRST_COMPLETED
+                    {next_topology, next_command, reader},
+                    timeout=keepalive,
+                    return_when=asyncio.FIRST_COMPLETED,
                 )
+                if not done:
+                    # Nothing to say: an empty message tells the agent this coordinator still answers.
+                    yield pb.HeartbeatResponse()
+                    continue
                 if next_topology in done:
                     yield pb.HeartbeatResponse(topology=convert.topology_to_pb(next_topology.result()))
                     next_topology = asyncio.ensure_future(anext(topologies))
                 if next_command in done:
                     command, reason = next_command.result()
+                    if command == "not_leader":
+                        await _abort(context, self._c.not_leader(reason))
                     code = pb.COMMAND_REREGISTER if command == "reregister" else pb.COMMAND_DRAIN
                     yield pb.HeartbeatResponse(command=code, reason=reason)
                     if code == pb.COMMAND_REREGISTER:
@@ -196,6 +219,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     next_command = asyncio.ensure_future(stream.commands.get())
                 if reader in done:
                     error = reader.exception()
+                    if isinstance(error, NotLeader):
+                        await _abort(context, error)
                     if isinstance(error, Rejected | NotFound | InvalidRequest):
                         yield pb.HeartbeatResponse(command=pb.COMMAND_REREGISTER, reason=str(error))
                     elif error is not None:
@@ -226,7 +251,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def GetTopology(
         self, request: pb.GetTopologyRequest, context: grpc.aio.ServicerContext
     ) -> pb.Topology:
-        return convert.topology_to_pb(self._c.state.topology)
+        state = await _answer(context, self._c.observe())
+        return convert.topology_to_pb(state.topology)
 
     async def WatchTopology(
         self, request: pb.WatchTopologyRequest, context: grpc.aio.ServicerContext
@@ -245,20 +271,21 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             states = {convert.member_state_from_pb(s) for s in request.states}
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        members = sorted(self._c.state.members.values(), key=lambda m: (m.rank < 0, m.rank, m.host_id))
+        state = await _answer(context, self._c.observe())
+        members = sorted(state.members.values(), key=lambda m: (m.rank < 0, m.rank, m.host_id))
         return pb.ListMembersResponse(
             members=[
                 convert.member_to_pb(m, self._c.member_step(m.host_id))
                 for m in members
                 if not states or m.state in states
             ],
-            epoch=self._c.state.epoch,
+            epoch=state.epoch,
         )
 
     async def GetMember(self, request: pb.GetMemberRequest, context: grpc.aio.ServicerContext) -> pb.Member:
         async def get() -> pb.Member:
             validate_host_id(request.host_id, self._c.settings.max_id_length)
-            member = self._c.state.members.get(request.host_id)
+            member = (await self._c.observe()).members.get(request.host_id)
             if member is None:
                 raise NotFound(f"unknown host {request.host_id!r}")
             return convert.member_to_pb(member, self._c.member_step(member.host_id))
@@ -354,10 +381,15 @@ class RunningCoordinator:
 
 
 async def serve(settings: Settings) -> RunningCoordinator:
-    """Load the job's state from Redis and serve the Coordinator, health and reflection services."""
-    store = RedisStore(settings.redis_url, settings.job_id)
+    """Load the job's state from Redis and serve the Coordinator, health and reflection services.
+
+    With ``settings.ha.enabled`` this is one replica of several: it leads only while it holds the lease.
+    """
+    connection = RedisConnection(
+        settings.redis_url, settings.redis_username, settings.redis_password, settings.redis_ca_file
+    )
+    store = RedisStore(connection, settings.job_id)
     coordinator = Coordinator(settings, store)
-    await coordinator.start()
     # Agents ping every half second to notice a dead link quickly: allow it, never count strikes.
     server = grpc.aio.server(
         options=[
@@ -379,10 +411,16 @@ async def serve(settings: Settings) -> RunningCoordinator:
     except RuntimeError:  # newer grpcio raises where older ones returned 0
         port = 0
     if port == 0:
-        await coordinator.stop()
+        await store.close()
         raise OSError(
             f"cannot listen on {settings.listen}: the address is taken or invalid; pick another --listen"
         )
+    try:
+        await coordinator.start(advertise=_advertised(settings.listen, port))
+    except BaseException:
+        await server.stop(None)
+        await store.close()
+        raise
     await server.start()
     for name in ("", service_name):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -394,6 +432,17 @@ async def serve(settings: Settings) -> RunningCoordinator:
         port=port,
         metrics_port=metrics_port,
         job=settings.job_id,
-        redis=settings.redis_url,
+        redis=connection.redacted_url,
+        ha=settings.ha.enabled,
+        advertise=coordinator.advertise if settings.ha.enabled else None,
     )
     return RunningCoordinator(coordinator, server, port, metrics_port)
+
+
+def _advertised(listen: str, port: int) -> str:
+    """Where agents reach this replica when ``--advertise`` is not given: the listen host (this
+    machine's name for a wildcard address) with the port bound."""
+    host = listen.rsplit(":", 1)[0].strip("[]")
+    if host in ("", "0.0.0.0", "::"):
+        host = socket.getfqdn()
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

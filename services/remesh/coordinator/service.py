@@ -4,6 +4,12 @@ It holds what must be fast in memory (liveness from heartbeats, open agent strea
 watchers), and funnels every state change through ``_change``: observe the current state, run a pure
 transition and the planner, commit all events in one atomic Redis step, then publish. The gRPC layer
 (``server.py``) only translates requests into calls on this class.
+
+With several replicas (``settings.ha.enabled``) exactly one leads: the one holding the Redis lease.
+It renews the lease at a third of its TTL and writes with its fencing token, so a deposed leader's
+writes are refused by Redis (it then steps down). A follower keeps polling for the lease, mirrors
+the stored state for reads and topology watches, and answers every write with ``NotLeader`` naming
+the leader. A replica that takes over grants every member a fresh deadline before judging anyone.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import structlog
 
 from remesh.coordinator import membership
 from remesh.coordinator.detector import Liveness, Verdict, judge
-from remesh.coordinator.errors import Conflict, CoordinatorError, StoreUnavailable
+from remesh.coordinator.errors import Conflict, CoordinatorError, Fenced, NotLeader, StoreUnavailable
 from remesh.coordinator.metrics import Metrics
 from remesh.coordinator.model import (
     ClusterState,
@@ -81,10 +87,18 @@ class Coordinator:
         self._store_down = False
         self._plan_log = _ChangeLogger()
         self._store_log = _ChangeLogger()
+        # Leadership: a single replica always leads; one of several leads while it holds the lease.
+        self.leading = not settings.ha.enabled
+        self.advertise = settings.ha.advertise
+        self.leader_address = ""
+        self._renewed_at = 0.0
+        if settings.ha.enabled:
+            self.store.fencing_token = 0  # never issued: a replica that never led can write nothing
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
-    async def start(self) -> None:
+    async def start(self, advertise: str = "") -> None:
+        self.advertise = self.advertise or advertise
         self.state, self._rev = await self.store.load()
         self._steps = await self.store.read_progress()
         self._grant_all(self._clock())
@@ -100,6 +114,10 @@ class Coordinator:
             asyncio.create_task(self._detector_loop(), name="detector"),
             asyncio.create_task(self._progress_loop(), name="progress"),
         ]
+        if self.settings.ha.enabled:
+            self.metrics.leader.set(0)
+            log.info("role", role="follower", address=self.advertise, reason="started; looking for the lease")
+            self._tasks.append(asyncio.create_task(self._lease_loop(), name="lease"))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -107,9 +125,118 @@ class Coordinator:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        with contextlib.suppress(StoreUnavailable):
-            await self._flush_progress()
+        if self.leading:
+            with contextlib.suppress(CoordinatorError):
+                await self._flush_progress()
+            if self.settings.ha.enabled and self.store.fencing_token:
+                # Hand over at once instead of making a follower wait for the lease to run out.
+                with contextlib.suppress(StoreUnavailable):
+                    await self.store.release_lease(self.store.fencing_token)
         await self.store.close()
+
+    # ---- leadership (several replicas) -----------------------------------------------------------
+
+    def not_leader(self, detail: str = "") -> NotLeader:
+        leader = self.leader_address if self.leader_address != self.advertise else ""
+        where = f"the leader is at {leader}" if leader else "no leader is known yet; retry shortly"
+        return NotLeader(
+            f"this coordinator ({self.advertise}) is a follower: {where}"
+            + (f" ({detail})" if detail else ""),
+            leader,
+        )
+
+    async def _lease_loop(self) -> None:
+        ha = self.settings.ha
+        while True:
+            try:
+                if self.leading:
+                    await self._renew()
+                else:
+                    token, holder = await self.store.acquire_lease(self.advertise, ha.lease_ttl_s)
+                    if token:
+                        await self._take_over(token)
+                    else:
+                        if holder != self.leader_address:
+                            log.info("leader", leader=holder or None)
+                        self.leader_address = holder
+                        await self._mirror()
+            except StoreUnavailable as exc:
+                self.metrics.store_errors.inc()
+                self._store_log("store unavailable; cannot renew or take the lease", error=str(exc))
+                if self.leading and time.monotonic() - self._renewed_at > ha.lease_ttl_s:
+                    self._step_down(f"could not renew the lease for {ha.lease_ttl_s}s: {exc}")
+            # A follower polls twice as often as the leader renews: it notices an expired lease soon.
+            await asyncio.sleep(ha.renew_every_s if self.leading else ha.renew_every_s / 2)
+
+    async def _renew(self) -> None:
+        token = self.store.fencing_token or 0
+        if await self.store.renew_lease(token, self.settings.ha.lease_ttl_s):
+            self._renewed_at = time.monotonic()
+        else:
+            self._step_down(f"lease lost: token {token} no longer holds it (another replica took over)")
+
+    async def _take_over(self, token: int) -> None:
+        """Lead from the stored state, granting every member a fresh deadline before judging anyone."""
+        async with self._lock:
+            self.store.fencing_token = token
+            try:
+                self.state, self._rev = await self.store.load()
+                self._steps = await self.store.read_progress()
+            except StoreUnavailable:
+                with contextlib.suppress(StoreUnavailable):
+                    await self.store.release_lease(token)
+                raise
+            self._grant_all(self._clock())
+            self._dirty_steps = {}
+            self._renewed_at = time.monotonic()
+            self.leading = True
+            self.leader_address = self.advertise
+        self.metrics.leader.set(1)
+        self.metrics.fencing_token.set(token)
+        self.metrics.role_changes.inc()
+        self._update_gauges()
+        log.info(
+            "role",
+            role="leader",
+            token=token,
+            address=self.advertise,
+            epoch=self.state.epoch,
+            members=len(self.state.members),
+            reason=f"took the lease; every member has {self.settings.detector.failover_grace_s}s "
+            "to report before anyone is judged",
+        )
+        async with self._topology_changed:
+            self._topology_changed.notify_all()
+
+    def _step_down(self, reason: str) -> None:
+        if not self.leading:
+            return
+        self.leading = False
+        self.leader_address = ""
+        self._liveness = {}
+        self._dirty_steps = {}
+        self.metrics.leader.set(0)
+        self.metrics.role_changes.inc()
+        log.warning("role", role="follower", address=self.advertise, reason=reason)
+        # Agents streaming to this replica must find the new leader.
+        for stream in self._streams.values():
+            stream.commands.put_nowait(("not_leader", reason))
+
+    async def _mirror(self) -> None:
+        """A follower's view of the stored state, for reads and topology watches."""
+        epoch = self.state.epoch
+        self.state, self._rev = await self.store.load()
+        self._steps = await self.store.read_progress()
+        self._update_gauges()
+        if self.state.epoch != epoch:
+            async with self._topology_changed:
+                self._topology_changed.notify_all()
+
+    async def observe(self) -> ClusterState:
+        """The state to answer a read with: a follower reads it from Redis, the leader has it."""
+        if not self.leading:
+            await self._mirror()
+        return self.state
 
     def _grant_all(self, now: float) -> None:
         """Give every present member a fresh deadline: nobody is judged on silence we did not watch."""
@@ -124,8 +251,12 @@ class Coordinator:
 
     async def _change(self, transition: Callable[[ClusterState, float], list[Event]]) -> list[Event]:
         """Run ``transition`` on the current state, plan, and commit the events in one atomic step."""
+        if not self.leading:
+            raise self.not_leader()
         async with self._lock:
             for attempt in range(3):
+                if not self.leading:
+                    raise self.not_leader()
                 now = self._clock()
                 events = transition(self.state, now)
                 after = replay(events, self.state)
@@ -145,6 +276,10 @@ class Coordinator:
                     log.warning("store changed under us; reloading", attempt=attempt)
                     self.state, self._rev = await self.store.load()
                     continue
+                except Fenced as exc:
+                    log.error("write refused by the store: this replica was deposed", error=str(exc))
+                    self._step_down(str(exc))
+                    raise self.not_leader(str(exc)) from exc
                 except StoreUnavailable:
                     self.metrics.store_errors.inc()
                     raise
@@ -216,6 +351,8 @@ class Coordinator:
         self._liveness = {h: replace(s, last_seen=s.last_seen + seconds) for h, s in self._liveness.items()}
 
     async def detect_once(self) -> None:
+        if not self.leading:
+            return
         if self._store_down:
             await self.store.ping()
             self._store_down = False
@@ -241,8 +378,13 @@ class Coordinator:
     async def _progress_loop(self) -> None:
         while True:
             await asyncio.sleep(1.0)
+            if not self.leading:
+                continue
             try:
                 await self._flush_progress()
+            except Fenced as exc:
+                log.error("progress write refused by the store: this replica was deposed", error=str(exc))
+                self._step_down(str(exc))
             except StoreUnavailable:
                 self.metrics.store_errors.inc()
 
@@ -273,6 +415,8 @@ class Coordinator:
 
     async def heartbeat(self, host_id: str, incarnation: int, step: int) -> None:
         """Hot path: in memory unless the member changes state (joining or suspect -> alive)."""
+        if not self.leading:
+            raise self.not_leader()
         now = self._clock()
         self.metrics.heartbeats.inc()
         events = membership.heartbeat(now, self.state, host_id, incarnation, self._max_id)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["DetectorSettings", "PlannerSettings", "Settings"]
+__all__ = ["DetectorSettings", "HaSettings", "PlannerSettings", "Settings"]
 
 
 @dataclass(frozen=True)
@@ -64,9 +64,33 @@ class PlannerSettings:
 
 
 @dataclass(frozen=True)
+class HaSettings:
+    # Several replicas share one Redis and elect a leader through a lease; off: this coordinator is
+    # the only one and writes unfenced (as a single replica always did).
+    enabled: bool = False
+    # Where agents reach this replica (host:port), stored next to the lease so followers can name
+    # the leader. Empty: the address it listens on.
+    advertise: str = ""
+    # A dead leader's lease runs out after this long; a follower then takes over. Long enough that
+    # a busy 2-core machine renews in time (at a third of it), short enough to fail over in ~1.5 s.
+    lease_ttl_s: float = 1.2
+    # The leader sends an empty message on every idle heartbeat stream this often, so an agent
+    # notices a leader that stopped answering (SIGSTOP, partition) and looks for the new one.
+    keepalive_s: float = 0.5
+
+    @property
+    def renew_every_s(self) -> float:
+        return self.lease_ttl_s / 3
+
+
+@dataclass(frozen=True)
 class Settings:
     job_id: str = "default"
     redis_url: str = "redis://127.0.0.1:6379/0"
+    # ACL user, password and TLS CA bundle for Redis (see remesh.coordinator.redis_connection).
+    redis_username: str | None = None
+    redis_password: str | None = None
+    redis_ca_file: str | None = None
     # gRPC listen address; port 0 picks a free port (the server reports the one it bound).
     listen: str = "127.0.0.1:50051"
     # Prometheus /metrics on this port; None turns it off, 0 picks a free port.
@@ -75,6 +99,7 @@ class Settings:
     max_id_length: int = 128
     detector: DetectorSettings = field(default_factory=DetectorSettings)
     planner: PlannerSettings = field(default_factory=PlannerSettings)
+    ha: HaSettings = field(default_factory=HaSettings)
 
     @classmethod
     def local(cls, **overrides: object) -> Settings:
@@ -91,5 +116,12 @@ class Settings:
             stream_grace_s=2.0,
             failover_grace_s=15.0,
         )
-        base: dict[str, object] = {"listen": "0.0.0.0:50051", "metrics_port": 9090, "detector": detector}
+        # Redis across a network: a lease that rides out a slow round trip, keepalives every second.
+        ha = HaSettings(lease_ttl_s=3.0, keepalive_s=1.0)
+        base: dict[str, object] = {
+            "listen": "0.0.0.0:50051",
+            "metrics_port": 9090,
+            "detector": detector,
+            "ha": ha,
+        }
         return cls(**{**base, **overrides})  # type: ignore[arg-type]

@@ -8,10 +8,15 @@ Layout (every key shares the hash tag ``{JOB}``, so a job lives in one Redis Clu
     remesh:{JOB}:acks       hash    host_id -> epoch acknowledged (current epoch's members)
     remesh:{JOB}:events     stream  one entry per Event, field "e" = Event JSON
     remesh:{JOB}:progress   hash    host_id -> last step (flushed in batches, not an event)
+    remesh:{JOB}:leader     string  the leading replica's fencing token (SET NX PX: the lease)
+    remesh:{JOB}:leader_address  string  where the leader serves (same expiry as the lease)
+    remesh:{JOB}:fence      string  the last fencing token issued (INCR per acquisition)
 
 ``commit`` writes the state that the events produce and appends the events in one Lua script that
 first checks the revision it was planned against: a writer that planned from an older state is
-refused (``Conflict``) and changes nothing.
+refused (``Conflict``) and changes nothing. With several coordinator replicas (``fencing_token`` set)
+every write also checks that the lease still holds this writer's token: a deposed leader's write is
+refused (``Fenced``) and changes nothing.
 """
 
 from __future__ import annotations
@@ -21,15 +26,31 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, cast
 
-import redis.asyncio as aioredis
 import redis.exceptions
 
-from remesh.coordinator.errors import Conflict, StoreUnavailable
+from remesh.coordinator.errors import Conflict, Fenced, StoreUnavailable
 from remesh.coordinator.model import ClusterState, Event, Member, Topology, replay
+from remesh.coordinator.redis_connection import RedisConnection
 
 __all__ = ["RedisStore"]
 
-_COMMIT = """
+# Every write script opens with this: a writer whose token is not the lease's is a deposed leader.
+_FENCE = """
+local function fenced(lease, token)
+  if token == '' then return nil end
+  local holder = redis.call('GET', lease)
+  if holder ~= token then
+    return redis.error_reply('FENCED the lease is held by token ' .. tostring(holder or 'none') .. ', this writer has token ' .. token)
+  end
+  return nil
+end
+"""
+
+_COMMIT = (
+    _FENCE
+    + """
+local refused = fenced(KEYS[6], ARGV[3])
+if refused then return refused end
 local rev = tonumber(redis.call('HGET', KEYS[3], 'rev') or '0')
 if rev ~= tonumber(ARGV[1]) then
   return redis.error_reply('CONFLICT store is at revision ' .. rev .. ', the change was planned at ' .. ARGV[1])
@@ -47,29 +68,89 @@ for i, e in ipairs(p.events) do ids[i] = redis.call('XADD', KEYS[5], '*', 'e', e
 redis.call('HSET', KEYS[3], 'rev', rev + 1)
 return ids
 """
+)
+
+_WRITE_PROGRESS = (
+    _FENCE
+    + """
+local refused = fenced(KEYS[2], ARGV[1])
+if refused then return refused end
+for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+return 1
+"""
+)
+
+# KEYS: leader, leader_address, fence. ARGV: ttl_ms, address. Returns {token or 0, leader address}.
+_ACQUIRE = """
+local holder = redis.call('GET', KEYS[1])
+if holder then return {0, redis.call('GET', KEYS[2]) or ''} end
+local token = redis.call('INCR', KEYS[3])
+redis.call('SET', KEYS[1], token, 'PX', ARGV[1])
+redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[1])
+return {token, ARGV[2]}
+"""
+
+# KEYS: leader, leader_address. ARGV: token, ttl_ms. 1 while the lease is ours (extended), else 0.
+_RENEW = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+return 1
+"""
+
+_RELEASE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1], KEYS[2])
+return 1
+"""
 
 
 def _translate(exc: Exception, url: str) -> Exception:
     if isinstance(exc, redis.exceptions.ResponseError) and str(exc).startswith("CONFLICT"):
         return Conflict(str(exc))
+    if isinstance(exc, redis.exceptions.ResponseError) and str(exc).startswith("FENCED"):
+        return Fenced(f"write refused: this replica no longer leads ({str(exc).removeprefix('FENCED ')})")
+    if isinstance(exc, redis.exceptions.AuthenticationError | redis.exceptions.NoPermissionError) or (
+        isinstance(exc, redis.exceptions.ResponseError)
+        and str(exc).startswith(("NOAUTH", "WRONGPASS", "NOPERM"))
+    ):
+        return StoreUnavailable(
+            f"Redis at {url} refused this coordinator ({type(exc).__name__}: {exc}): check the ACL user "
+            "(--redis-username) and its password (REMESH_REDIS_PASSWORD or --redis-password-file), and "
+            "that the user may run scripts on the keys remesh:*"
+        )
     return StoreUnavailable(
         f"Redis at {url} is unreachable ({type(exc).__name__}: {exc}); the coordinator keeps its state "
         "and retries — check that redis-server runs and the URL is right"
     )
 
 
+_KEYS = ("members", "topology", "meta", "acks", "events", "progress", "leader", "leader_address", "fence")
+
+
 class RedisStore:
-    def __init__(self, url: str, job_id: str, *, socket_timeout: float = 1.0) -> None:
-        self.url = url
-        self.job_id = job_id
-        self._redis = aioredis.Redis.from_url(
-            url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout, decode_responses=True
+    def __init__(
+        self, connection: RedisConnection | str, job_id: str, *, socket_timeout: float = 1.0
+    ) -> None:
+        self.connection = (
+            connection if isinstance(connection, RedisConnection) else RedisConnection(connection)
         )
+        self.url = self.connection.redacted_url
+        self.job_id = job_id
+        self._redis = self.connection.connect(socket_timeout)
         prefix = f"remesh:{{{job_id}}}"
-        self.keys = {
-            name: f"{prefix}:{name}" for name in ("members", "topology", "meta", "acks", "events", "progress")
-        }
+        self.keys = {name: f"{prefix}:{name}" for name in _KEYS}
         self._commit = self._redis.register_script(_COMMIT)
+        self._write_progress = self._redis.register_script(_WRITE_PROGRESS)
+        self._acquire = self._redis.register_script(_ACQUIRE)
+        self._renew = self._redis.register_script(_RENEW)
+        self._release = self._redis.register_script(_RELEASE)
+        # The lease token this writer holds (several replicas); None: the only writer, unfenced.
+        self.fencing_token: int | None = None
+
+    @property
+    def _token_arg(self) -> str:
+        return "" if self.fencing_token is None else str(self.fencing_token)
 
     async def close(self) -> None:
         await self._redis.aclose()
@@ -133,9 +214,9 @@ class RedisStore:
         if payload["acks_clear"]:
             payload["acks"] = dict(after.acks)
         # cjson decodes {} and [] alike; an empty table is fine for both loops above.
-        keys = [self.keys[k] for k in ("members", "topology", "meta", "acks", "events")]
+        keys = [self.keys[k] for k in ("members", "topology", "meta", "acks", "events", "leader")]
         try:
-            ids = await self._commit(keys=keys, args=[rev, json.dumps(payload)])
+            ids = await self._commit(keys=keys, args=[rev, json.dumps(payload), self._token_arg])
         except (redis.exceptions.RedisError, OSError) as exc:
             raise _translate(exc, self.url) from exc
         stored = [_with_id(e, i) for e, i in zip(events, ids, strict=True)]
@@ -157,9 +238,7 @@ class RedisStore:
     async def follow_events(self, after_id: str, block_ms: int = 500) -> AsyncIterator[list[Event]]:
         """Yield batches of new events after ``after_id`` ("$": only new ones), forever."""
         # A blocking read needs a socket timeout longer than the block.
-        client = aioredis.Redis.from_url(
-            self.url, socket_timeout=block_ms / 1000 + 2, socket_connect_timeout=1.0, decode_responses=True
-        )
+        client = self.connection.connect(socket_timeout=block_ms / 1000 + 2, connect_timeout=1.0)
         last = after_id or "0-0"
         try:
             while True:
@@ -178,8 +257,9 @@ class RedisStore:
     async def write_progress(self, steps: Mapping[str, int]) -> None:
         if not steps:
             return
+        args = [self._token_arg, *(x for h, s in steps.items() for x in (h, str(s)))]
         try:
-            await self._redis.hset(self.keys["progress"], mapping={h: str(s) for h, s in steps.items()})
+            await self._write_progress(keys=[self.keys["progress"], self.keys["leader"]], args=args)
         except (redis.exceptions.RedisError, OSError) as exc:
             raise _translate(exc, self.url) from exc
 
@@ -189,6 +269,33 @@ class RedisStore:
         except (redis.exceptions.RedisError, OSError) as exc:
             raise _translate(exc, self.url) from exc
         return {str(h): int(s) for h, s in raw.items()}
+
+    # ---- the leader lease (several coordinator replicas) -----------------------------------------
+
+    async def acquire_lease(self, address: str, ttl_s: float) -> tuple[int, str]:
+        """Take the lease if nobody holds it: (the new fencing token, ``address``); else (0, the
+        holder's address, "" if unknown)."""
+        keys = [self.keys[k] for k in ("leader", "leader_address", "fence")]
+        try:
+            token, holder = await self._acquire(keys=keys, args=[int(ttl_s * 1000), address])
+        except (redis.exceptions.RedisError, OSError) as exc:
+            raise _translate(exc, self.url) from exc
+        return int(token), str(holder)
+
+    async def renew_lease(self, token: int, ttl_s: float) -> bool:
+        """Extend the lease if ``token`` still holds it (compare-and-pexpire)."""
+        keys = [self.keys["leader"], self.keys["leader_address"]]
+        try:
+            return bool(await self._renew(keys=keys, args=[token, int(ttl_s * 1000)]))
+        except (redis.exceptions.RedisError, OSError) as exc:
+            raise _translate(exc, self.url) from exc
+
+    async def release_lease(self, token: int) -> None:
+        """Give the lease up at once (a clean stop), if ``token`` still holds it."""
+        try:
+            await self._release(keys=[self.keys["leader"], self.keys["leader_address"]], args=[token])
+        except (redis.exceptions.RedisError, OSError) as exc:
+            raise _translate(exc, self.url) from exc
 
 
 def _with_id(event: Event, event_id: str) -> Event:

@@ -99,6 +99,8 @@ class LocalCluster:
         self.procs: list[Proc] = []
         self.coordinator: Proc | None = None
         self.port = 0
+        # Every coordinator replica's address, given to agents (several with --ha); empty: ``address``.
+        self.addresses: list[str] = []
         self.agents: dict[str, Proc] = {}
         self._channel: grpc.Channel | None = None
 
@@ -106,14 +108,14 @@ class LocalCluster:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start_coordinator(self, *extra: str, port: int = 0) -> Proc:
+    def start_coordinator(self, *extra: str, port: int = 0, env: dict[str, str] | None = None) -> Proc:
         port_file = self.tmp / f"coordinator-{len(self.procs)}.port"
         args = [
             sys.executable, "-m", "remesh.cli", "coordinator",
             "--redis", self.redis_url, "--job", self.job,
             "--listen", f"127.0.0.1:{port}", "--port-file", str(port_file), *extra,
         ]  # fmt: skip
-        proc = Proc(args, self.tmp / f"coordinator-{len(self.procs)}.log")
+        proc = Proc(args, self.tmp / f"coordinator-{len(self.procs)}.log", env=env)
         self.procs.append(proc)
         wait_for(lambda: port_file.exists() or not proc.alive(), 30, "the coordinator to serve")
         if not proc.alive():
@@ -136,7 +138,7 @@ class LocalCluster:
         trainer_cmd = list(trainer) if trainer is not None else [sys.executable, "-m", "remesh.agent.standin"]
         args = [
             sys.executable, "-m", "remesh.cli", "agent",
-            "--coordinator", self.address, "--host-id", host_id, "--devices", "2", "--job", self.job,
+            "--coordinator", ",".join(self.addresses) or self.address, "--host-id", host_id, "--devices", "2", "--job", self.job,
             *(["--spare"] if spare else []), *extra, "--", *trainer_cmd,
         ]  # fmt: skip
         proc = Proc(args, self.tmp / f"agent-{host_id}-{len(self.procs)}.log", env=env)

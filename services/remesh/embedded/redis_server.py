@@ -12,6 +12,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import structlog
@@ -43,10 +44,18 @@ class RedisServer:
     """One redis-server process. ``appendonly`` keeps data across ``restart()``."""
 
     def __init__(
-        self, port: int | None = None, *, appendonly: bool = True, directory: str | None = None
+        self,
+        port: int | None = None,
+        *,
+        appendonly: bool = True,
+        appendfsync: str = "everysec",
+        directory: str | None = None,
+        extra_args: Sequence[str] = (),
     ) -> None:
         self.port = port or free_port()
         self.appendonly = appendonly
+        self.appendfsync = appendfsync
+        self.extra_args = list(extra_args)
         self._own_dir = directory is None
         self.directory = directory or tempfile.mkdtemp(prefix="remesh-redis-")
         self.binary = find_redis_server()
@@ -70,9 +79,10 @@ class RedisServer:
             "--appendonly",
             "yes" if self.appendonly else "no",
             "--appendfsync",
-            "everysec",
+            self.appendfsync,
             "--protected-mode",
             "no",
+            *self.extra_args,
         ]
         self.process = subprocess.Popen(
             bound_to_parent(args),
@@ -90,7 +100,8 @@ class RedisServer:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
                     s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
+                    # +PONG, or -NOAUTH from a server that requires a password: either way it serves.
+                    if s.recv(16).startswith((b"+PONG", b"-NOAUTH")):
                         log.debug("redis started", port=self.port, binary=self.binary)
                         return self
             except OSError:
