@@ -52,9 +52,9 @@ DEPLOY_DIR = Path(__file__).resolve().parent
 K8S_DIR = DEPLOY_DIR / "k8s"
 # What an operator applies; base and the memorystore component are covered through them.
 TARGETS = ("overlays/gke", "overlays/gke-memorystore", "overlays/local", "examples/tinylm-jobset")
-# The oldest Kubernetes the manifests are meant for (Pod failure policies are GA from 1.31; GKE's
-# regular channel is past it).
-KUBERNETES_VERSION = "1.33.0"
+# The oldest Kubernetes the manifests are meant for (Pod failure policies and elastic Indexed Jobs
+# are GA from 1.31): validating against the oldest catches a field only newer releases know.
+KUBERNETES_VERSION = "1.31.0"
 # Custom resources: no schema ships with kubernetes-validate, so they are skipped with a note.
 CUSTOM_RESOURCES = {
     ("jobset.x-k8s.io", "JobSet"): "JobSet (jobset.x-k8s.io)",
