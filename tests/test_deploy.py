@@ -266,6 +266,8 @@ def test_each_worker_pod_runs_the_agent_supervising_the_trainer_as_its_child(
         assert args.spare is (name == "spares")
         assert args.trainer[:4] == ["--", "python", "-m", "examples.tinylm.train_elastic"]
         assert args.address == "<POD_IP>" and args.host_id == "<REPLICATED_JOB>-<JOB_INDEX>-<POD_INDEX>"
+        # Outlasts the replacement of a coordinator pod, so that stops no trainer (docs/deploy.md).
+        assert args.lease >= 15
         env = {e["name"]: e for e in container["env"]}
         assert env["REMESH_COORDINATOR"]["valueFrom"]["configMapKeyRef"]["key"] == "coordinator"
         assert config["coordinator"].split(":")[0] == "remesh-coordinator"
