@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Check the deployment offline: render every kustomization and validate what comes out.
 
     .venv/bin/python deploy/validate.py            # what CI runs (through tests/test_deploy.py)
