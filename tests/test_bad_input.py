@@ -126,3 +126,19 @@ def test_health_reflection_and_metrics_are_served(running: Cluster) -> None:
     assert "remesh_heartbeats_total" in text
     assert "remesh_detection_latency_seconds_bucket" in text
     assert "remesh_epochs_published_total 1.0" in text
+
+
+@pytest.mark.parametrize(
+    ("listen", "host"),
+    [
+        ("127.0.0.1:50051", "127.0.0.1"),  # one machine: /metrics stays on loopback too
+        ("0.0.0.0:50051", "0.0.0.0"),  # a pod: Prometheus must reach it on the pod's address
+        ("[::]:50051", "::"),
+        ("localhost:0", "localhost"),
+        (":50051", "0.0.0.0"),
+    ],
+)
+def test_metrics_bind_where_grpc_listens(listen: str, host: str) -> None:
+    from remesh.coordinator.server import listen_host
+
+    assert listen_host(listen) == host

@@ -42,7 +42,7 @@ from remesh.coordinator.store import RedisStore
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
 
-__all__ = ["LEADER_METADATA", "RunningCoordinator", "serve"]
+__all__ = ["LEADER_METADATA", "RunningCoordinator", "listen_host", "serve"]
 
 log = structlog.get_logger("remesh.coordinator")
 
@@ -361,6 +361,17 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.DrainResponse(member=convert.member_to_pb(member, self._c.member_step(member.host_id)))
 
 
+def listen_host(listen: str) -> str:
+    """The host part of a gRPC ``--listen`` address, for the metrics endpoint to bind beside it.
+
+    /metrics listens where gRPC does: loopback stays private on one machine, and a coordinator told
+    to listen on every interface (``0.0.0.0:50051`` in a pod) can be scraped by Prometheus as well.
+    """
+    host = listen.rsplit(":", 1)[0] if ":" in listen else listen
+    host = host.removeprefix("[").removesuffix("]")  # [::]:50051 -> ::
+    return host or "0.0.0.0"
+
+
 @dataclass
 class RunningCoordinator:
     coordinator: Coordinator
@@ -425,7 +436,9 @@ async def serve(settings: Settings) -> RunningCoordinator:
     for name in ("", service_name):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     metrics_port = (
-        coordinator.metrics.serve(settings.metrics_port) if settings.metrics_port is not None else None
+        coordinator.metrics.serve(settings.metrics_port, addr=listen_host(settings.listen))
+        if settings.metrics_port is not None
+        else None
     )
     log.info(
         "coordinator serving",

@@ -1,0 +1,297 @@
+"""The deployment (deploy/): every kustomization renders and validates offline, and what it renders
+is what remesh needs: flags the CLI really has, probes on the port the coordinator serves health on,
+a Redis that persists, traffic limited to what remesh uses, and nothing running privileged.
+
+Rendering needs kubectl (or kustomize) on PATH; machines of this project's kind have it. Where neither
+is found the tests are skipped with that reason; ``deploy/validate.py --install`` tries to install it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from remesh.cli import build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load_validate() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("deploy_validate", ROOT / "deploy" / "validate.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+validate = _load_validate()
+Objects = list[dict[str, Any]]
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, Objects]:
+    renderer = validate.find_renderer()
+    if renderer is None:
+        pytest.skip("neither kubectl nor kustomize on PATH (deploy/validate.py --install)")
+    rendered: dict[str, Objects] = validate.render_all(renderer)
+    return rendered
+
+
+def one(objects: Objects, kind: str, name: str) -> dict[str, Any]:
+    found = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind}/{name}: {len(found)} rendered"
+    return found[0]
+
+
+def pod_specs(objects: Objects) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Every pod template rendered, the JobSet's included."""
+    for o in objects:
+        name = f"{o['kind']}/{o['metadata']['name']}"
+        if o["kind"] in ("Deployment", "StatefulSet"):
+            yield name, o["spec"]["template"]["spec"]
+        elif o["kind"] == "JobSet":
+            for rjob in o["spec"]["replicatedJobs"]:
+                yield f"{name}/{rjob['name']}", rjob["template"]["spec"]["template"]["spec"]
+
+
+def pod_labels(workload: dict[str, Any]) -> dict[str, str]:
+    return dict(workload["spec"]["template"]["metadata"]["labels"])
+
+
+def settings(objects: Objects) -> dict[str, str]:
+    return dict(one(objects, "ConfigMap", "remesh-settings")["data"])
+
+
+def expand(args: list[str], env: list[dict[str, Any]], config: dict[str, str]) -> list[str]:
+    """The arguments as the kubelet hands them over: $(VAR) replaced by the container's variables
+    (a variable's value may name those defined before it)."""
+    values: dict[str, str] = {}
+
+    def substitute(text: str) -> str:
+        return re.sub(r"\$\((\w+)\)", lambda m: values[m.group(1)], text)
+
+    for var in env:
+        ref = var.get("valueFrom", {}).get("configMapKeyRef")
+        if ref:
+            values[var["name"]] = config[ref["key"]]
+        elif "value" in var:
+            values[var["name"]] = substitute(var["value"])
+        else:
+            values[var["name"]] = f"<{var['name']}>"  # a field of the pod, known only at run time
+    return [substitute(a) for a in args]
+
+
+def test_every_object_renders_and_validates_against_the_kubernetes_schemas(
+    rendered: dict[str, Objects],
+) -> None:
+    findings = [f for target, objects in rendered.items() for f in validate.check(target, objects)]
+    errors = [str(f) for f in findings if f.outcome == "error"]
+    assert not errors, "\n".join(errors)
+    skipped = {f.subject for f in findings if f.outcome == "skipped"}
+    assert skipped == {"JobSet/tinylm", "PodMonitoring/remesh-coordinator"}  # custom resources only
+    # The JobSet's pods are checked all the same, as the Jobs it stands for.
+    jobs = [f.subject for f in findings if f.outcome == "ok" and "-> Job/" in f.subject]
+    assert len(jobs) == 2, jobs
+
+
+def test_the_validator_catches_a_wrong_field(rendered: dict[str, Objects]) -> None:
+    deployment = one(rendered["overlays/gke"], "Deployment", "remesh-coordinator")
+    broken = {**deployment, "spec": {**deployment["spec"], "replica": 3}}
+    (finding,) = validate.check("test", [broken])
+    assert finding.outcome == "error" and "replica" in finding.message
+
+
+def test_coordinator_runs_three_replicas_with_grpc_health_probes_and_flags_the_cli_has(
+    rendered: dict[str, Objects],
+) -> None:
+    objects = rendered["overlays/gke"]
+    deployment = one(objects, "Deployment", "remesh-coordinator")
+    assert deployment["spec"]["replicas"] == 3
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    default_port = int(build_parser().parse_args(["coordinator"]).listen.rsplit(":", 1)[1])
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"]["port"] == default_port, probe
+
+    args = build_parser().parse_args(expand(container["args"], container["env"], settings(objects)))
+    assert args.command == "coordinator" and args.log_json
+    assert args.listen == f"0.0.0.0:{default_port}"
+    assert args.preset == "production"
+    assert args.world_size == int(settings(objects)["world-size"])
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"grpc": default_port, "metrics": args.metrics_port}
+
+    service = one(objects, "Service", "remesh-coordinator")
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == ports
+    assert service["spec"]["selector"].items() <= pod_labels(deployment).items()
+    pdb = one(objects, "PodDisruptionBudget", "remesh-coordinator")
+    assert pdb["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    assert {c["topologyKey"] for c in pod["topologySpreadConstraints"]} == {
+        "topology.kubernetes.io/zone",
+        "kubernetes.io/hostname",
+    }
+    monitoring = one(objects, "PodMonitoring", "remesh-coordinator")
+    assert monitoring["spec"]["endpoints"][0]["port"] == "metrics"
+    # The kind overlay runs one replica on its one node.
+    assert one(rendered["overlays/local"], "Deployment", "remesh-coordinator")["spec"]["replicas"] == 1
+
+
+def test_redis_keeps_an_append_only_file_on_a_volume_and_memorystore_replaces_it(
+    rendered: dict[str, Objects],
+) -> None:
+    objects = rendered["overlays/gke"]
+    redis = one(objects, "StatefulSet", "remesh-redis")
+    (container,) = redis["spec"]["template"]["spec"]["containers"]
+    command = container["command"]
+    option = {command[i]: command[i + 1] for i in range(1, len(command) - 1) if command[i].startswith("--")}
+    assert option["--appendonly"] == "yes"
+    assert option["--appendfsync"] == "always"
+    (claim,) = redis["spec"]["volumeClaimTemplates"]
+    assert claim["spec"]["storageClassName"] == "premium-rwo"
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert mounts[claim["metadata"]["name"]] == option["--dir"]
+    service = one(objects, "Service", redis["spec"]["serviceName"])
+    assert service["spec"]["clusterIP"] == "None"
+    pod_address = f"{redis['metadata']['name']}-0.{redis['spec']['serviceName']}:6379"
+    assert pod_address in settings(objects)["redis-url"]
+
+    memorystore = rendered["overlays/gke-memorystore"]
+    assert not [o for o in memorystore if o["metadata"]["name"] == "remesh-redis"]
+    assert "remesh-redis" not in settings(memorystore)["redis-url"]
+    egress = one(memorystore, "NetworkPolicy", "coordinator")["spec"]["egress"]
+    assert [rule["to"][0]["ipBlock"]["cidr"] for rule in egress] == ["10.0.0.0/29"]
+
+
+def test_network_policies_open_only_the_paths_remesh_uses(rendered: dict[str, Objects]) -> None:
+    objects = rendered["overlays/gke"]
+    policies = {o["metadata"]["name"]: o["spec"] for o in objects if o["kind"] == "NetworkPolicy"}
+    assert set(policies) == {
+        "default-deny",
+        "allow-dns",
+        "coordinator",
+        "redis",
+        "worker",
+        "worker-google-apis",
+    }
+    deny = policies["default-deny"]
+    assert deny["podSelector"] == {} and set(deny["policyTypes"]) == {"Ingress", "Egress"}
+    assert "ingress" not in deny and "egress" not in deny
+
+    coordinator_labels = pod_labels(one(objects, "Deployment", "remesh-coordinator"))
+    redis_labels = pod_labels(one(objects, "StatefulSet", "remesh-redis"))
+    worker_labels = [
+        rjob["template"]["spec"]["template"]["metadata"]["labels"]
+        for rjob in one(rendered["examples/tinylm-jobset"], "JobSet", "tinylm")["spec"]["replicatedJobs"]
+    ]
+
+    def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+        return selector.get("matchLabels", {}).items() <= labels.items()
+
+    # Redis: only the coordinator, on 6379.
+    (rule,) = policies["redis"]["ingress"]
+    assert selects(policies["redis"]["podSelector"], redis_labels)
+    assert [p["port"] for p in rule["ports"]] == [6379]
+    assert selects(rule["from"][0]["podSelector"], coordinator_labels)
+    assert not any(selects(rule["from"][0]["podSelector"], w) for w in worker_labels)
+    # The coordinator's gRPC: only the training pods (agents and trainers), every one of them.
+    grpc_rule, metrics_rule = policies["coordinator"]["ingress"]
+    assert [p["port"] for p in grpc_rule["ports"]] == [50051]
+    assert all(selects(grpc_rule["from"][0]["podSelector"], w) for w in worker_labels)
+    assert [p["port"] for p in metrics_rule["ports"]] == [9090]
+    assert metrics_rule["from"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gmp-system"}}}
+    ]
+    (to_redis,) = policies["coordinator"]["egress"]
+    assert selects(to_redis["to"][0]["podSelector"], redis_labels)
+    # Workers reach each other on any port (JAX coordination service, collectives), nothing else in.
+    (peers,) = policies["worker"]["ingress"]
+    assert "ports" not in peers and all(selects(peers["from"][0]["podSelector"], w) for w in worker_labels)
+    # DNS for everyone.
+    assert {(p["port"], p["protocol"]) for p in policies["allow-dns"]["egress"][0]["ports"]} == {
+        (53, "UDP"),
+        (53, "TCP"),
+    }
+
+
+def test_every_pod_runs_as_non_root_without_privileges_or_api_access(rendered: dict[str, Objects]) -> None:
+    seen = 0
+    for target, objects in rendered.items():
+        kinds = {o["kind"] for o in objects}
+        assert not kinds & {"Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding"}, target
+        for o in objects:
+            if o["kind"] == "ServiceAccount":
+                assert o["automountServiceAccountToken"] is False, (target, o["metadata"]["name"])
+        for name, pod in pod_specs(objects):
+            assert pod["automountServiceAccountToken"] is False, (target, name)
+            assert pod["serviceAccountName"].startswith("remesh-"), (target, name)
+            for c in pod["containers"] + pod.get("initContainers", []):
+                sc = c["securityContext"]
+                assert sc.get("runAsNonRoot", pod["securityContext"].get("runAsNonRoot")) is True, (name, c)
+                assert pod["securityContext"].get("runAsUser", 0) != 0, (name, c["name"])
+                assert sc["readOnlyRootFilesystem"] is True, (name, c["name"])
+                assert sc["allowPrivilegeEscalation"] is False, (name, c["name"])
+                assert sc["capabilities"]["drop"] == ["ALL"], (name, c["name"])
+                assert "limits" in c["resources"] and "requests" in c["resources"], (name, c["name"])
+                seen += 1
+    assert seen >= 7  # coordinator and redis in three overlays, workers and spares
+    namespace = one(rendered["overlays/gke"], "Namespace", "remesh")
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+
+
+def test_each_worker_pod_runs_the_agent_supervising_the_trainer_as_its_child(
+    rendered: dict[str, Objects],
+) -> None:
+    config = settings(rendered["overlays/gke"])
+    jobset = one(rendered["examples/tinylm-jobset"], "JobSet", "tinylm")
+    assert jobset["metadata"]["namespace"] == "remesh"
+    rjobs = {r["name"]: r for r in jobset["spec"]["replicatedJobs"]}
+    assert set(rjobs) == {"workers", "spares"}
+    assert rjobs["workers"]["template"]["spec"]["parallelism"] == int(config["world-size"])
+    for name, rjob in rjobs.items():
+        job = rjob["template"]["spec"]
+        pod = job["template"]["spec"]
+        # One container: the agent starts the trainer (`--` COMMAND) as its own child process.
+        (container,) = pod["containers"]
+        assert not pod.get("initContainers")
+        args = build_parser().parse_args(expand(container["args"], container["env"], config))
+        assert args.command == "agent"
+        assert args.spare is (name == "spares")
+        assert args.trainer[:4] == ["--", "python", "-m", "examples.tinylm.train_elastic"]
+        assert args.address == "<POD_IP>" and args.host_id == "<REPLICATED_JOB>-<JOB_INDEX>-<POD_INDEX>"
+        # Outlasts the replacement of a coordinator pod, so that stops no trainer (docs/deploy.md).
+        assert args.lease >= 15
+        env = {e["name"]: e for e in container["env"]}
+        assert env["REMESH_COORDINATOR"]["valueFrom"]["configMapKeyRef"]["key"] == "coordinator"
+        assert config["coordinator"].split(":")[0] == "remesh-coordinator"
+        # The agent's exit codes for "halted" (3) and "refused" (2) end the Job; that needs Never.
+        assert pod["restartPolicy"] == "Never"
+        codes = [r for r in job["podFailurePolicy"]["rules"] if r["action"] == "FailJob"]
+        assert codes[0]["onExitCodes"]["containerName"] == container["name"]
+        assert codes[0]["onExitCodes"]["values"] == [2, 3]
+        mounts = {m["mountPath"] for m in container["volumeMounts"]}
+        assert {"/tmp", "/dev/shm"} <= mounts  # read-only root: scratch space and snapshots
+
+
+def test_the_image_runs_remesh_as_a_non_root_user_without_build_tools() -> None:
+    text = (ROOT / "deploy" / "Dockerfile").read_text()
+    stages = re.split(r"^FROM ", text, flags=re.MULTILINE)[1:]
+    assert len(stages) == 2, "a builder stage and a runtime stage"
+    runtime = stages[-1]
+    assert "COPY --from=builder /opt/venv /opt/venv" in runtime
+    user = re.findall(r"^USER (\S+)", runtime, flags=re.MULTILINE)
+    assert user and user[-1].split(":")[0] not in ("0", "root")
+    assert re.search(r'^ENTRYPOINT \[.*"remesh"\]', runtime, flags=re.MULTILINE)
+    for tool in ("build-essential", "gcc", "g++", "make "):
+        assert tool not in runtime, tool
+    dockerignore = (ROOT / ".dockerignore").read_text().splitlines()
+    assert dockerignore[dockerignore.index("**") :][:1] == ["**"]  # everything out, then allow-list
+    lint = validate.lint_dockerfile()
+    assert lint.outcome != "error", lint.message
