@@ -9,7 +9,9 @@
 
 Beside the active trainer the agent keeps a warm standby process (same command, JAX imported, told
 rank -1): when the active trainer dies as collateral damage (a peer's death aborted its JAX runtime)
-the standby is promoted at once, so the host rejoins without paying for a process start.
+the standby is promoted at once, so the host rejoins without paying for a process start. The next
+standby starts once the new active trainer has acknowledged its epoch: importing JAX takes seconds of
+CPU that a recovering trainer needs more.
 
 With several coordinator replicas the agent finds the leader itself: a follower refuses with
 UNAVAILABLE and names the leader in the trailing metadata ``remesh-leader``; the agent goes there at
@@ -122,6 +124,7 @@ class Agent:
         self._progress = asyncio.Event()
         # When the last stream to a coordinator broke (None while one is open): the lease clock.
         self._lost_at: float | None = None
+        self._warm_task: asyncio.Task[None] | None = None
 
     # ---- coordinator connection ------------------------------------------------------------------
 
@@ -393,7 +396,10 @@ class Agent:
     async def _spawn(self, topology: pb.Topology, rank: int) -> TrainerProcess:
         self._slots += 1
         trainer = TrainerProcess(
-            self.settings.trainer_command, self.trainer_env(topology, rank, self._slots), topology.epoch
+            self.settings.trainer_command,
+            self.trainer_env(topology, rank, self._slots),
+            topology.epoch,
+            nice=self.settings.trainer_nice,
         )
         trainer.slot = self._slots
         await trainer.start()
@@ -426,9 +432,17 @@ class Agent:
                 return
             await self._assignments_changed()
         self._trainer_watch = asyncio.create_task(self._watch_trainer(self.trainer))
-        if self.settings.warm_standby and (self.warm is None or not self.warm.running()):
-            self.warm = await self._spawn(topology, -1)
-            self.log.info("warm standby trainer started", pid=self.warm.pid, slot=self.warm.slot)
+        # The next warm standby starts once this trainer has acknowledged its epoch (see ack_epoch):
+        # importing JAX takes seconds of CPU that a recovering trainer needs more.
+
+    async def _ensure_warm(self) -> None:
+        if not self.settings.warm_standby or (self.warm is not None and self.warm.running()):
+            return
+        trainer = self.trainer
+        if trainer is None or not trainer.running() or self._stopping.is_set():
+            return
+        self.warm = await self._spawn(self.topology, -1)
+        self.log.info("warm standby trainer started", pid=self.warm.pid, slot=self.warm.slot)
 
     async def _stop_trainer(self, reason: str, *, warm_too: bool = False) -> None:
         for trainer in (self.trainer, self.warm if warm_too else None):
@@ -518,6 +532,8 @@ class Agent:
         if request.restored_step >= 0:
             self.last_step = request.restored_step  # the trainer resumes from there
             self._progress.set()
+        # In the background: the trainer waits for this reply before its second step.
+        self._warm_task = asyncio.create_task(self._ensure_warm())
         return bool(reply.live)
 
     async def _assignments_changed(self) -> None:

@@ -45,6 +45,10 @@ class AgentSettings:
     # returns. Longer than a coordinator restart takes (the coordinator grants every member a fresh
     # deadline after one); the checkpoint fence covers the moments in between. 0 turns it off.
     lease_s: float = 5.0
+    # Niceness added to the trainer process. The agent's heartbeats decide whether the host is
+    # alive: where the trainer saturates the CPU (JAX starting or compiling on a small host), they
+    # must not wait behind it. Costs the trainer nothing while a core is free. 0 leaves it as is.
+    trainer_nice: int = 5
     # HTTP/2 keepalive pings on the coordinator channel: a link that silently drops packets breaks
     # the stream after about twice this, instead of after TCP's minutes.
     keepalive_s: float = 0.5

@@ -38,18 +38,23 @@ class TrainerExit:
     hung: bool = False
 
 
-def _bound_to_parent(command: Sequence[str]) -> list[str]:
+def _bound_to_parent(command: Sequence[str], nice: int = 0) -> list[str]:
+    # ``nice`` execs the command (same pid): every thread the trainer starts inherits the priority.
+    niced = shutil.which("nice") if nice else None
+    command = [niced, "-n", str(nice), *command] if niced else list(command)
     setpriv = shutil.which("setpriv")
     if sys.platform == "linux" and setpriv:
         return [setpriv, "--pdeathsig", "KILL", "--", *command]
-    return list(command)
+    return command
 
 
 class TrainerProcess:
     """One run of the trainer for one epoch."""
 
-    def __init__(self, command: Sequence[str], env: Mapping[str, str], epoch: int) -> None:
+    def __init__(self, command: Sequence[str], env: Mapping[str, str], epoch: int, nice: int = 0) -> None:
         self.command = list(command)
+        # Niceness added to the trainer's: on a saturated CPU the agent's heartbeats go first.
+        self.nice = nice
         self.env = dict(env)
         # The epoch it was started for, then the newest it reported running (see Agent._trainer_runs).
         self.epoch = epoch
@@ -63,7 +68,7 @@ class TrainerProcess:
     async def start(self) -> None:
         self.started_at = time.monotonic()
         self.process = await asyncio.create_subprocess_exec(
-            *_bound_to_parent(self.command), env={**os.environ, **self.env}
+            *_bound_to_parent(self.command, self.nice), env={**os.environ, **self.env}
         )
         log.info("trainer started", pid=self.process.pid, epoch=self.epoch, command=" ".join(self.command))
 

@@ -53,6 +53,12 @@ def add_parser(sub: Any) -> None:
         default=5.0,
         help="seconds without any coordinator after which the trainer is stopped as cut off (0: never)",
     )
+    p.add_argument(
+        "--trainer-nice",
+        type=int,
+        default=5,
+        help="niceness added to the trainer, so the agent's heartbeats go first on a busy CPU (0: none)",
+    )
     p.add_argument("--local-listen", default="127.0.0.1:0", help="address of the local API for the trainer")
     p.add_argument("trainer", nargs=argparse.REMAINDER, help="-- followed by the trainer command")
     p.set_defaults(run=run)
@@ -80,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         hang_timeout_s=args.hang_timeout,
         warm_standby=not args.no_warm_standby,
         lease_s=args.lease,
+        trainer_nice=args.trainer_nice,
     )
     return asyncio.run(_main(Agent(settings)))
 

@@ -33,9 +33,11 @@ def _phase_spans(failure: Mapping[str, Any]) -> list[tuple[str, float, float]]:
         ("restore+compile", max(p.get("restore", 0.0), p.get("compile", 0.0))),
         ("first_step", p.get("first_step", 0.0)),
     ]
+    # Measured per member, the slowest each time, so the sum may pass the recovery's end: clip there.
     spans, t = [], float(failure["time"])
+    end = t + float(failure.get("mttr_s", 0.0))
     for name, length in order:
-        spans.append((name, t, t + float(length)))
+        spans.append((name, min(t, end), min(t + float(length), end)))
         t += float(length)
     return spans
 
