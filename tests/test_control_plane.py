@@ -292,3 +292,32 @@ def test_a_spare_waiting_in_standby_is_not_taken_for_a_hung_trainer(cluster: Clu
     # Once it holds a rank, its trainer is watched: the hang clock starts then.
     cluster.agents["host-0"].kill()
     assert [m.host_id for m in cluster.wait_epoch(2, timeout=10).members] == ["spare-0"]
+
+
+def test_a_relaunched_host_takes_no_rank_in_the_epoch_that_still_lists_it(cluster: Cluster) -> None:
+    """The whole job killed and started again while the coordinator waits for it: each agent comes back
+    as a spare while epoch 1 still lists its host, and must wait for the next epoch to take a rank."""
+    start_job(cluster, "--min-world-size", "4", "--max-wait", "3600", spares=0)
+    for h in ACTIVE:
+        cluster.agents[h].kill()
+    wait_for(
+        lambda: all(m.state == pb.MEMBER_STATE_DEAD for m in cluster.members().values()),
+        10,
+        "every host dead",
+    )
+    assert cluster.topology().epoch == 1, "the coordinator waits below the minimum: epoch 1 still lists them"
+    for h in ACTIVE:
+        cluster.start_agent(h)
+    live = wait_for(
+        lambda: [e for e in cluster.events() if e.type == pb.EVENT_TYPE_EPOCH_LIVE and e.epoch >= 2],
+        30,
+        "epoch 2",
+    )
+    assert live[0].epoch == 2  # type: ignore[index]
+    events = cluster.events()
+    relaunched = [e for e in events if e.incarnation >= 2]
+    # No new process acknowledged epoch 1 or failed for having run it.
+    assert not [e for e in relaunched if e.type == pb.EVENT_TYPE_EPOCH_ACKED and e.epoch == 1]
+    assert not [e for e in relaunched if e.type == pb.EVENT_TYPE_FAULT_REPORTED], relaunched
+    for h in ACTIVE:
+        assert "registered" in cluster.agents[h].output()

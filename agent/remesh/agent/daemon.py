@@ -124,6 +124,10 @@ class Agent:
         self._progress = asyncio.Event()
         # When the last stream to a coordinator broke (None while one is open): the lease clock.
         self._lost_at: float | None = None
+        # Epochs up to this one give this host no rank even where they list it: it registered again
+        # as a spare (a new process, a new incarnation) while they were current; its old rank went
+        # with its old incarnation, and it may take one again only in a newer epoch.
+        self._unranked_through = 0
         self._warm_task: asyncio.Task[None] | None = None
 
     # ---- coordinator connection ------------------------------------------------------------------
@@ -264,6 +268,8 @@ class Agent:
         self._lost_at = None
         self.log = log.bind(host=self.settings.host_id, incarnation=self.incarnation)
         self.log.info("registered", role=pb.Role.Name(reply.member.role), epoch=reply.topology.epoch)
+        if reply.member.role == pb.ROLE_SPARE and rank_of(reply.topology, self.settings.host_id) >= 0:
+            self._unranked_through = reply.topology.epoch
         interval = reply.heartbeat_interval_s or 0.1
         call = stub.Heartbeat(self._heartbeats(interval))
         silence = self.settings.coordinator_silence_s
@@ -313,7 +319,7 @@ class Agent:
             lost_at, trainer = self._lost_at, self.trainer
             if lost_at is None or trainer is None or not trainer.running():
                 continue
-            if rank_of(self.topology, self.settings.host_id) < 0:
+            if self._rank(self.topology) < 0:
                 continue  # a standby trainer holds no rank: nothing to fence
             cut_off = time.monotonic() - lost_at
             if cut_off >= lease_s:
@@ -324,6 +330,11 @@ class Agent:
                     epoch=self.topology.epoch,
                 )
                 await self._stop_trainer(f"lease lost after {cut_off:.1f}s without a coordinator")
+
+    def _rank(self, topology: pb.Topology) -> int:
+        if topology.epoch <= self._unranked_through:
+            return -1
+        return rank_of(topology, self.settings.host_id)
 
     # ---- trainer supervision ---------------------------------------------------------------------
 
@@ -339,7 +350,7 @@ class Agent:
         trainer = self.trainer
         if timeout <= 0 or trainer is None or not trainer.running() or trainer.hung:
             return
-        if rank_of(self.topology, self.settings.host_id) < 0:
+        if self._rank(self.topology) < 0:
             return  # a spare's trainer waits in standby: no progress is expected of it
         since = time.monotonic() - max(self.last_progress, trainer.started_at)
         if since > timeout:
@@ -352,15 +363,13 @@ class Agent:
         if topology.epoch < self.topology.epoch:
             return  # an older epoch than we already run: stale
         changed = topology.epoch != self.topology.epoch
-        if changed and rank_of(topology, self.settings.host_id) >= 0 > rank_of(
-            self.topology, self.settings.host_id
-        ):
+        if changed and self._rank(topology) >= 0 > self._rank(self.topology):
             self.last_progress = time.monotonic()  # the hang clock starts when the host gets a rank
         self.topology = topology
         self.log = self.log.bind(epoch=topology.epoch)
         if changed:
             await self._assignments_changed()
-        rank = rank_of(topology, self.settings.host_id)
+        rank = self._rank(topology)
         self.log.info(
             "topology",
             rank=rank,
@@ -469,7 +478,7 @@ class Agent:
             return
         if result.returncode == RESTART_EXIT_CODE and not result.hung:
             # The trainer asked for a fresh process on the current topology: no fault.
-            await self._start_trainer(self.topology, rank_of(self.topology, self.settings.host_id))
+            await self._start_trainer(self.topology, self._rank(self.topology))
             return
         await self._report_fault(result, detail="")
 
@@ -495,7 +504,7 @@ class Agent:
         if reply.member_dead:
             return  # the coordinator replaces this host and tells the agent to register again
         if self.topology.epoch > result.epoch:
-            await self._start_trainer(self.topology, rank_of(self.topology, self.settings.host_id))
+            await self._start_trainer(self.topology, self._rank(self.topology))
         else:
             self._restart_after_epoch = result.epoch
 
@@ -565,7 +574,7 @@ class Agent:
         active = self.trainer.slot if self.trainer is not None else 0
         if slot and slot != active:
             return -1  # a warm standby process: no rank until it is promoted
-        return rank_of(self.topology, self.settings.host_id)
+        return self._rank(self.topology)
 
     def assignment(self, slot: int = 0) -> apb.Assignment:
         return apb.Assignment(
