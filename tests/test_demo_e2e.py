@@ -116,6 +116,7 @@ def test_demo_recovers_a_killed_host_and_reports_what_the_event_log_says(tmp_pat
         report = json.loads((tmp_path / "report.json").read_text())
         events = stored_events(server.url, report["run"]["job"])
     assert_nothing_left(mark)
+    assert not list(Path("/dev/shm").glob(f"remesh-{report['run']['job']}-*")), "snapshots left in /dev/shm"
     s = report["summary"]
     assert s["failures"] == 1 and s["recovered"] == 1
     assert s["last_epoch"] > s["first_epoch"]

@@ -392,7 +392,7 @@ class DemoRun:
         for proc in self.cluster.procs:
             if proc is not self.cluster.coordinator:
                 proc.close()
-        self._clear_snapshots()  # a relaunched job restores from its checkpoints, not host memory
+        self.cluster.clear_snapshots()  # a relaunched job restores from its checkpoints, not host memory
         self._wait("every host of the old job to be declared dead", self._all_down, 30)
         epoch = self._published_epoch()
         for host in hosts:
@@ -409,13 +409,6 @@ class DemoRun:
     def _all_down(self) -> bool:
         members = self._members()
         return bool(members) and all(m.state in (pb.MEMBER_STATE_DEAD, pb.MEMBER_STATE_LEFT) for m in members)
-
-    def _clear_snapshots(self) -> None:
-        for path in Path("/dev/shm").glob(f"remesh-{self.job}-*"):
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
 
     # ---- the run -----------------------------------------------------------------------------------
 
@@ -449,8 +442,7 @@ class DemoRun:
                 events = self._all_events()
                 self._stop.set()
                 if self.cluster is not None:
-                    self.cluster.close()
-                self._clear_snapshots()
+                    self.cluster.close()  # its processes, then their /dev/shm snapshots
                 if self.gcs is not None:
                     self.gcs.close()
                 if self.redis is not None:

@@ -11,6 +11,7 @@ __all__ = ["LocalCluster", "Proc", "wait_for"]
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -182,6 +183,15 @@ class LocalCluster:
                 proc.close()
             except Exception as exc:  # keep going: every other process must still be stopped
                 print(f"could not stop pid {proc.pid}: {exc}", file=sys.stderr)
+        self.clear_snapshots()
+
+    def clear_snapshots(self) -> None:
+        """Remove the host-memory snapshots this job's trainers left in /dev/shm (they outlive them)."""
+        for path in Path("/dev/shm").glob(f"remesh-{self.job}-*"):
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
 
     def __enter__(self) -> LocalCluster:
         return self
