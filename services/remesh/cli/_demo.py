@@ -25,7 +25,6 @@ from rich.console import Console
 from rich.table import Table
 
 from remesh.demo.report import PHASES, compare
-from remesh.demo.runner import DemoConfig
 
 log = structlog.get_logger("remesh.cli")
 
@@ -38,6 +37,9 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def add_parser(sub: Any) -> None:
+    # Here, not at the top: remesh.demo.runner imports remesh.cli (event_dict), which imports this module.
+    from remesh.demo.runner import DemoConfig
+
     p: argparse.ArgumentParser = sub.add_parser(
         "demo",
         help="run an elastic JAX job here, fail hosts on purpose, watch remesh recover",
@@ -93,7 +95,7 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from remesh.demo.display import Display
-    from remesh.demo.runner import DemoError, DemoRun, Schedule
+    from remesh.demo.runner import DemoConfig, DemoError, DemoRun, Schedule
 
     console = Console(highlight=False)
     kill_at = (

@@ -135,7 +135,7 @@ def _failure_report(
 
 def _goodput(
     run: Mapping[str, Any],
-    failures: Sequence[Mapping[str, Any]],
+    failures: Sequence[Mapping[str, Any]],  # the failure reports: time, epoch_after, phases
     steps: Sequence[Mapping[str, Any]],
 ) -> dict[str, Any]:
     start, end = float(run["started_at"]), float(run["ended_at"])
@@ -153,7 +153,7 @@ def _goodput(
         badput["initialization"] = max(0.0, steps[0]["t"] - start - duration(steps[0]))
     for f in failures:
         t_kill = float(f["time"])
-        epoch = int(f.get("recovered_epoch", -1))
+        epoch = int(f.get("epoch_after") or -1)
         resumed = next((r for r in steps if r["t"] > t_kill and int(r["epoch"]) >= epoch > 0), None)
         if resumed is None:
             continue
@@ -212,7 +212,7 @@ def build_report(
             "first_epoch": min(epochs, default=0),
             "last_epoch": max(epochs, default=0),
         },
-        "goodput": _goodput(run, [{**f, **r} for f, r in zip(failures, reports, strict=True)], steps),
+        "goodput": _goodput(run, reports, steps),
         "failures": reports,
         "loss": [
             {"t": round(r["t"] - float(run["started_at"]), 3), "step": r["step"], "loss": r["loss"]}
