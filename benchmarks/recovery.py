@@ -87,7 +87,9 @@ class Job:
             for _ in range(spares):
                 self.add_spare()
             self.wait_live(1, 300)
-        except BaseException:
+        except BaseException as exc:
+            if not isinstance(exc, KeyboardInterrupt):
+                progress(f"remesh: the job did not start; its logs end with:\n{self.cluster.log_tails()}")
             self.cluster.close()
             raise
 

@@ -411,6 +411,20 @@ def test_bad_usage_exits_2(capsys: pytest.CaptureFixture[str], args: tuple[str, 
     assert "usage:" in err
 
 
+@pytest.mark.parametrize(
+    ("base", "span"),
+    [("80", "100"), ("65500", "100"), ("28000", "0")],
+    ids=["privileged", "past 65535", "empty"],
+)
+def test_coordinator_refuses_a_bad_jax_port_range(
+    capsys: pytest.CaptureFixture[str], base: str, span: str
+) -> None:
+    redis = ("--redis", "redis://127.0.0.1:1")
+    code, out, err = inproc(capsys, "coordinator", *redis, "--jax-port-base", base, "--jax-port-span", span)
+    assert code == 2
+    assert "invalid JAX port range" in out + err and "--jax-port-base" in out + err
+
+
 def test_drain_is_seen_by_follow_and_replay_still_matches(
     cluster: Cluster, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import socket
 import sys
 import uuid
 from collections.abc import Iterator
@@ -11,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from remesh.coordinator.settings import PlannerSettings
 from remesh.embedded import RedisServer
 from remesh.v1 import coordinator_pb2 as pb
 from tests.procs import Cluster, wait_for
@@ -32,12 +34,18 @@ def trainer(final: Path, *extra: str) -> list[str]:
 
 
 def run_job(
-    tmp: Path, redis_url: str, *, spares: int, victim: str | None, coordinator_args: tuple[str, ...] = ()
+    tmp: Path,
+    redis_url: str,
+    *,
+    spares: int,
+    victim: str | None,
+    coordinator_args: tuple[str, ...] = (),
+    job: str | None = None,
 ) -> tuple[Path, Cluster]:
     """Run a 3-host tinylm job to STEPS, SIGKILLing ``victim`` once it passed step KILL_AT."""
     tmp.mkdir(parents=True, exist_ok=True)
     final = tmp / "final.npz"
-    cluster = Cluster(tmp, redis_url, f"e2e-{uuid.uuid4().hex[:8]}")
+    cluster = Cluster(tmp, redis_url, job or new_job_id())
     try:
         cluster.start_coordinator("--world-size", "3", *coordinator_args)
         warm = () if victim else ("--no-warm-standby",)  # a run without failures needs no standby
@@ -58,6 +66,10 @@ def run_job(
         cluster.close()
         raise
     return final, cluster
+
+
+def new_job_id() -> str:
+    return f"e2e-{uuid.uuid4().hex[:8]}"
 
 
 def leaves(path: Path) -> list[np.ndarray]:
@@ -141,5 +153,34 @@ def test_without_a_spare_the_job_shrinks_and_the_loss_keeps_falling(
         assert shrunk and shrunk[-1][0] == STEPS
         assert shrunk[-1][1] < rows[0][1], f"loss did not fall: {rows}"
         assert final.exists()
+    finally:
+        cluster.close()
+
+
+def test_a_taken_jax_port_moves_the_job_to_a_new_address_and_blames_no_host(
+    tmp_path: Path, redis: RedisServer, clean_final: Path
+) -> None:
+    """Another process listens on the port of epoch 1 (accepting connections, answering nothing)."""
+    job = new_job_id()
+    port = PlannerSettings().jax_port(job, 1)
+    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind(("::", port))
+        squatter.listen()
+        final, cluster = run_job(tmp_path, redis.url, spares=0, victim=None, job=job)
+    try:
+        events = cluster.events()
+        refused = [e for e in events if e.type == pb.EVENT_TYPE_FAULT_REPORTED]
+        assert [(e.host_id, e.details["kind"], e.details["epoch"]) for e in refused] == [
+            ("host-0", "address_in_use", "1")
+        ], [e.reason for e in refused]
+        assert f":{port}" in refused[0].reason
+        assert not [e for e in events if e.type == pb.EVENT_TYPE_MEMBER_DEAD]
+        after = cluster.topology()
+        assert after.epoch == 2 and [m.host_id for m in after.members] == ["host-0", "host-1", "host-2"]
+        assert not after.jax_coordinator_address.endswith(f":{port}")
+        # Nobody trained in the refused epoch: the run is the clean one.
+        for a, b in zip(leaves(final), leaves(clean_final), strict=True):
+            assert np.array_equal(a, b)
     finally:
         cluster.close()

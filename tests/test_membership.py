@@ -437,6 +437,29 @@ def test_fault_of_a_gone_member_changes_nothing_more(was: MemberState) -> None:
     assert f"already {was.value}" in out.reason
 
 
+def address_in_use(state: ClusterState, host: str = "a0", epoch: int = 3) -> membership.FaultOutcome:
+    return membership.report_fault(NOW, state, host, 1, FaultKind.ADDRESS_IN_USE, epoch, 76, "")
+
+
+def test_rank_0_finding_the_address_taken_refuses_the_epoch_without_blaming_the_host() -> None:
+    state = job()
+    out = address_in_use(state)
+    assert not out.member_dead
+    assert [e.type for e in out.events] == [EventType.FAULT_REPORTED]
+    assert "a0.local:47003" in out.reason and "new address" in out.reason
+    after = replay(out.events, state)
+    assert after.address_refused_epoch == 3
+    assert after.members == state.members  # nobody dead, nobody moved
+
+
+@pytest.mark.parametrize(("host", "epoch"), [("a1", 3), ("a0", 2)], ids=["not rank 0", "older epoch"])
+def test_address_in_use_from_another_member_or_epoch_is_ignored(host: str, epoch: int) -> None:
+    state = job()
+    out = address_in_use(state, host, epoch)
+    assert not out.member_dead and "ignored" in out.reason
+    assert replay(out.events, state).address_refused_epoch == 0
+
+
 @pytest.mark.parametrize(("epoch", "match"), [(-1, "negative"), (4, "never published")])
 def test_fault_with_an_impossible_epoch_is_invalid(epoch: int, match: str) -> None:
     with pytest.raises(InvalidRequest, match=match):

@@ -8,8 +8,9 @@ nothing. No clock, no sockets.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 
@@ -34,7 +35,7 @@ JOINING = MemberState.JOINING
 LEFT = MemberState.LEFT
 DRAINING = MemberState.DRAINING
 
-TOPOLOGY_KINDS = (Kind.FORM, Kind.REPLACE, Kind.SHRINK, Kind.GROW)
+TOPOLOGY_KINDS = (Kind.FORM, Kind.REPLACE, Kind.SHRINK, Kind.GROW, Kind.READDRESS)
 
 
 def member(
@@ -298,6 +299,13 @@ CASES = {
         Kind.NONE,
         reason_has=("halted",),
     ),
+    "rank 0 found the address taken": Case(
+        replace(formed(FOUR, epoch=5, restore_step=12, others=spares("s0")), address_refused_epoch=5),
+        Kind.READDRESS,
+        FOUR,
+        restore_step=12,
+        reason_has=("taken on a0",),
+    ),
 }
 
 
@@ -417,20 +425,53 @@ def test_form_topology_fields() -> None:
     assert topology.epoch == 1
     assert topology.created_at == 3.0
     assert topology.mesh_shape == (3, 4)  # the smallest host decides the device axis
-    assert topology.jax_coordinator_address == f"{ms[0].address}:40001"
+    assert topology.jax_coordinator_address == f"{ms[0].address}:{settings.jax_port('job-x', 1)}"
     assert topology.members == tuple(
         TopologyMember(m.host_id, r, m.device_count, m.address) for r, m in enumerate(ms)
     )
     assert [e.host_id for e in events[:-1]] == ["a0", "a1", "a2"]
 
 
-def test_jax_port_wraps_within_the_span() -> None:
+def test_jax_port_moves_with_the_epoch_and_wraps_within_the_span() -> None:
     settings = PlannerSettings(world_size=2, jax_port_base=40000, jax_port_span=10)
+    ports = [settings.jax_port("job-a", epoch) for epoch in range(1, 21)]
+    assert all(40000 <= p < 40010 for p in ports)
+    assert all(b == (a + 1 if a < 40009 else 40000) for a, b in itertools.pairwise(ports))
     state = formed(("a0", "a1"), epoch=19, states={"a1": DEAD}, others=spares("s0"))
-    events = plan_events(1.0, state, plan(1.0, state, {}, settings), settings)
+    events = plan_events(1.0, state, plan(1.0, state, {}, settings), settings, "job-a")
     topology = events[-1].topology
     assert topology is not None
-    assert topology.jax_coordinator_address.endswith(":40000")  # epoch 20 % 10
+    assert topology.jax_coordinator_address.endswith(f":{settings.jax_port('job-a', 20)}")
+
+
+def test_jobs_sharing_a_host_start_on_different_ports() -> None:
+    settings = PlannerSettings()
+    first = {settings.jax_port(f"job-{i}", 1) for i in range(20)}
+    assert len(first) > 10  # spread by the job id, not all on one port
+    assert all(28000 <= p < 29000 for p in first)  # below Linux's ephemeral ports
+
+
+def test_a_refused_address_moves_the_same_members_to_a_new_epoch() -> None:
+    state = replace(formed(FOUR, epoch=3, restore_step=40), address_refused_epoch=3)
+    decision = plan(1.0, state, {"a0": 41, "a1": 41, "a2": 41, "a3": 41}, S())
+    assert decision.kind is Kind.READDRESS
+    assert decision.hosts == FOUR
+    assert decision.restore_step == 40  # nobody trained in the refused epoch
+    topology = plan_events(1.0, state, decision, S())[-1].topology
+    assert topology is not None and topology.epoch == 4
+    assert topology.jax_coordinator_address != state.topology.jax_coordinator_address  # type: ignore[union-attr]
+
+
+def test_a_refused_address_of_an_older_epoch_changes_nothing() -> None:
+    state = replace(formed(FOUR, epoch=3), address_refused_epoch=2)
+    assert plan(1.0, state, {}, S()).kind is Kind.NONE
+
+
+def test_a_lost_member_is_replaced_even_when_the_address_was_refused() -> None:
+    state = replace(formed(FOUR, epoch=3, states={"a2": DEAD}, others=spares("s0")), address_refused_epoch=3)
+    decision = plan(1.0, state, {}, S())
+    assert decision.kind is Kind.REPLACE
+    assert decision.hosts == ("a0", "a1", "s0", "a3")
 
 
 def test_halt_event_carries_an_empty_final_topology() -> None:

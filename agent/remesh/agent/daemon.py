@@ -30,13 +30,14 @@ import contextlib
 import random
 import time
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import replace
 from typing import Any
 
 import grpc
 import structlog
 
 from remesh.agent.settings import AgentSettings
-from remesh.agent.supervisor import RESTART_EXIT_CODE, TrainerExit, TrainerProcess
+from remesh.agent.supervisor import ADDRESS_IN_USE_EXIT_CODE, RESTART_EXIT_CODE, TrainerExit, TrainerProcess
 from remesh.v1 import agent_pb2 as apb
 from remesh.v1 import agent_pb2_grpc as apb_grpc
 from remesh.v1 import coordinator_pb2 as pb
@@ -105,6 +106,7 @@ class Agent:
         self._version = 0
         # A trainer that died as collateral damage of a topology change waits for the next epoch.
         self._restart_after_epoch: int | None = None
+        self._starting = asyncio.Lock()
         self._coordinator_index = 0
         # The leader a follower named, tried before the configured addresses; and the address that
         # last failed to answer (a hint naming it is stale: the dead leader's lease has not run out).
@@ -415,6 +417,14 @@ class Agent:
         return trainer
 
     async def _start_trainer(self, topology: pb.Topology, rank: int) -> None:
+        # Two paths may want a trainer for the same epoch (a new topology arrives while a fault
+        # report is in flight): one trainer per host, whoever comes first.
+        async with self._starting:
+            if self.trainer is not None and self.trainer.running():
+                return
+            await self._start_trainer_locked(topology, rank)
+
+    async def _start_trainer_locked(self, topology: pb.Topology, rank: int) -> None:
         self._restart_after_epoch = None
         self.last_progress = time.monotonic()
         warm = self.warm
@@ -480,10 +490,17 @@ class Agent:
             # The trainer asked for a fresh process on the current topology: no fault.
             await self._start_trainer(self.topology, self._rank(self.topology))
             return
+        if result.returncode == ADDRESS_IN_USE_EXIT_CODE and not result.hung:
+            # The port of the epoch this host leads is taken (a trainer that had not yet reported
+            # progress still counts as running the epoch it started in: charge the current one).
+            result = replace(result, epoch=max(result.epoch, self.topology.epoch))
+            await self._report_fault(result, "JAX coordination port taken", pb.FAULT_KIND_ADDRESS_IN_USE)
+            return
         await self._report_fault(result, detail="")
 
-    async def _report_fault(self, result: TrainerExit, detail: str) -> None:
-        kind = pb.FAULT_KIND_TRAINER_HUNG if result.hung else pb.FAULT_KIND_TRAINER_EXITED
+    async def _report_fault(self, result: TrainerExit, detail: str, kind: pb.FaultKind | None = None) -> None:
+        if kind is None:
+            kind = pb.FAULT_KIND_TRAINER_HUNG if result.hung else pb.FAULT_KIND_TRAINER_EXITED
         detail = detail or ("no step progress" if result.hung else f"exit code {result.returncode}")
         try:
             reply = await self._connect().ReportFault(

@@ -20,13 +20,16 @@ from dataclasses import dataclass
 
 import structlog
 
-__all__ = ["RESTART_EXIT_CODE", "TrainerExit", "TrainerProcess"]
+__all__ = ["ADDRESS_IN_USE_EXIT_CODE", "RESTART_EXIT_CODE", "TrainerExit", "TrainerProcess"]
 
 log = structlog.get_logger("remesh.agent")
 
 # A trainer that cannot recover in-process (say, its JAX runtime is beyond repair) exits with this
 # code (EX_TEMPFAIL) to ask its agent for an immediate restart on the current topology.
 RESTART_EXIT_CODE = 75
+# The trainer of rank 0 found the epoch's JAX coordination port taken by another process (errno
+# EADDRINUSE): the agent reports it, and the coordinator moves the same members to a new port.
+ADDRESS_IN_USE_EXIT_CODE = 98
 
 
 @dataclass(frozen=True)

@@ -30,16 +30,19 @@ from remesh.elastic.checkpoints import (
     StaleEpoch,
 )
 from remesh.elastic.errors import (
+    AddressInUse,
     ElasticError,
     PeerFailure,
     Recoverable,
     RestartProcess,
     TopologyChanged,
 )
-from remesh.elastic.session import RESTART_EXIT_CODE, Policy, Session, StepResult
+from remesh.elastic.session import ADDRESS_IN_USE_EXIT_CODE, RESTART_EXIT_CODE, Policy, Session, StepResult
 
 __all__ = [
+    "ADDRESS_IN_USE_EXIT_CODE",
     "RESTART_EXIT_CODE",
+    "AddressInUse",
     "AgentClient",
     "AlreadyCommitted",
     "Assignment",

@@ -7,7 +7,10 @@
     │   ├── TopologyChanged      a new epoch arrived (raised at a step boundary)
     │   └── PeerFailure          a collective failed or timed out (a peer died): JaxRuntimeError, translated
     └── RestartProcess         in-process recovery is impossible: exit with RESTART_EXIT_CODE so the
-                               agent starts a fresh process on the current topology
+        │                      agent starts a fresh process on the current topology
+        └── AddressInUse         rank 0 found the epoch's JAX coordination port taken by another
+                                 process: exit with ADDRESS_IN_USE_EXIT_CODE; the agent reports it
+                                 and the coordinator moves the same members to a new address
 
 JAX runtime errors are translated into these in one place, ``remesh.elastic.runtime``.
 """
@@ -15,6 +18,7 @@ JAX runtime errors are translated into these in one place, ``remesh.elastic.runt
 from __future__ import annotations
 
 __all__ = [
+    "AddressInUse",
     "ElasticError",
     "PeerFailure",
     "Recoverable",
@@ -44,3 +48,13 @@ class PeerFailure(Recoverable):
 
 class RestartProcess(ElasticError):
     pass
+
+
+class AddressInUse(RestartProcess):
+    def __init__(self, address: str, epoch: int) -> None:
+        super().__init__(
+            f"the JAX coordination address {address} of epoch {epoch} is taken by another process on "
+            "this host; the coordinator will move the job to another port"
+        )
+        self.address = address
+        self.epoch = epoch

@@ -11,6 +11,7 @@ new process count, on a new port (the epoch's address). Arrays from before are i
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import socket
 import time
@@ -24,7 +25,7 @@ from jax.errors import JaxRuntimeError
 from jax.sharding import AxisType, Mesh
 
 from remesh.elastic.agent_client import Assignment
-from remesh.elastic.errors import PeerFailure
+from remesh.elastic.errors import AddressInUse, PeerFailure
 
 __all__ = ["Runtime", "configure_cpu", "peer_failures"]
 
@@ -109,6 +110,9 @@ class Runtime:
         )
         if assignment.rank != 0:
             _wait_reachable(assignment.jax_coordinator, self.init_timeout_s)
+        elif _port_taken(assignment.jax_coordinator):
+            # JAX would crash binding it, and the others would dial whatever listens there.
+            raise AddressInUse(assignment.jax_coordinator, assignment.epoch)
         with peer_failures():
             jax.distributed.initialize(
                 coordinator_address=assignment.jax_coordinator,
@@ -172,6 +176,24 @@ class Runtime:
         jax.extend.backend.clear_backends()
         self.assignment = None
         return time.monotonic() - t0
+
+
+def _port_taken(address: str) -> bool:
+    """Whether another process listens on the port of ``address`` (the coordination service binds
+    it on every interface). A bind with SO_REUSEADDR fails only for a listener, not for connections
+    in TIME_WAIT; a service that sets SO_REUSEPORT (gRPC does) is found as well."""
+    port = int(address.rpartition(":")[2])
+    for family, any_address in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind((any_address, port))
+                return False
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return True
+            # No IPv6 on this host: try IPv4.
+    return False
 
 
 def _wait_reachable(address: str, timeout_s: float) -> None:

@@ -39,17 +39,26 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from remesh.elastic.agent_client import AgentClient, Assignment
-from remesh.elastic.errors import Recoverable, RestartProcess, TopologyChanged
+from remesh.elastic.errors import AddressInUse, Recoverable, RestartProcess, TopologyChanged
 from remesh.elastic.runtime import Runtime, configure_cpu, peer_failures
 from remesh.elastic.snapshots import Snapshots
 
-__all__ = ["RESTART_EXIT_CODE", "CheckpointStore", "Policy", "Session", "StepResult"]
+__all__ = [
+    "ADDRESS_IN_USE_EXIT_CODE",
+    "RESTART_EXIT_CODE",
+    "CheckpointStore",
+    "Policy",
+    "Session",
+    "StepResult",
+]
 
 log = structlog.get_logger("remesh.elastic")
 
 PyTree = Any
 # Same code as remesh.agent.RESTART_EXIT_CODE (EX_TEMPFAIL); the trainer library never imports the agent.
 RESTART_EXIT_CODE = 75
+# Same code as remesh.agent.ADDRESS_IN_USE_EXIT_CODE (errno EADDRINUSE).
+ADDRESS_IN_USE_EXIT_CODE = 98
 
 
 class CheckpointStore(Protocol):
@@ -88,6 +97,11 @@ class Policy:
     # dead peer (it would wait for the collective timeout, then often abort inside gloo): the process
     # exits for the agent's warm standby process to take over at once. None: always wait it out.
     stuck_step_exit_s: float | None = 0.2
+    # Joining an epoch (runtime, restore, compile, the barrier) still blocked this long after a newer
+    # epoch was announced: a member of the joined epoch died or never came (the coordination service
+    # would wait init_timeout_s for it). The process exits for the warm standby to join the new one.
+    # Longer than a step's grace: a healthy join of a doomed epoch finishes, then leaves in-process.
+    stuck_join_exit_s: float | None = 2.0
     # A state up to this size goes from the member that holds it to the others through the JAX
     # coordination service's key-value store (no program to compile); larger ones by a collective.
     kv_broadcast_max_bytes: int = 256 * 1024 * 1024
@@ -150,9 +164,10 @@ class Session:
         # Seconds the training loop waited for a checkpoint save to finish, and seconds spent saving
         # (in the background); for goodput accounting.
         self.stats: dict[str, float] = {"checkpoint_wait_s": 0.0, "checkpoint_save_s": 0.0}
-        # (epoch, start) of the step running now: the watchdog's view of the training loop.
-        self._in_step: tuple[int, float] | None = None
-        if self.policy.stuck_step_exit_s is not None:
+        # (epoch, since, grace, what) of the blocking work running now (joining an epoch, or a
+        # step): the watchdog's view of the training loop.
+        self._blocked: tuple[int, float, float, str] | None = None
+        if self.policy.stuck_step_exit_s is not None or self.policy.stuck_join_exit_s is not None:
             threading.Thread(target=self._watchdog, name="remesh-watchdog", daemon=True).start()
         configure_cpu(devices_per_host, self.policy.collective_timeout_s, self.policy.compilation_cache_dir)
 
@@ -183,6 +198,8 @@ class Session:
                     self._restart_process(f"no new epoch within {self.policy.epoch_wait_s:g}s after: {exc}")
                 self._recovery = {"teardown": teardown, "wait_epoch": time.monotonic() - t_fail - teardown}
                 assignment = newer
+            except AddressInUse as exc:
+                self._exit(ADDRESS_IN_USE_EXIT_CODE, str(exc))
             except RestartProcess as exc:
                 self._restart_process(str(exc))
 
@@ -199,26 +216,34 @@ class Session:
         return assignment
 
     def _watchdog(self) -> None:
-        grace = self.policy.stuck_step_exit_s or 0.0
         while True:
             time.sleep(0.05)
-            in_step = self._in_step
+            blocked = self._blocked
             latest = self.agent.latest
-            if in_step is None or latest.epoch <= in_step[0]:
+            if blocked is None or latest.epoch <= blocked[0]:
                 continue
-            stuck = time.monotonic() - max(in_step[1], self.agent.changed_at)
+            epoch, since, grace, what = blocked
+            stuck = time.monotonic() - max(since, self.agent.changed_at)
             if stuck >= grace:
                 self._restart_process(
-                    f"step of epoch {in_step[0]} still blocked {stuck:.2f}s after epoch {latest.epoch} "
-                    "was announced: a collective waits for a dead peer"
+                    f"{what} of epoch {epoch} still blocked {stuck:.2f}s after epoch {latest.epoch} "
+                    "was announced: it waits for a dead peer"
                 )
 
+    def _blocking(self, epoch: int, grace: float | None, what: str) -> None:
+        self._blocked = None if grace is None else (epoch, time.monotonic(), grace, what)
+
     def _restart_process(self, reason: str) -> NoReturn:
-        log.error("in-process recovery impossible; exiting for the agent to restart us", reason=reason)
+        self._exit(RESTART_EXIT_CODE, reason)
+
+    def _exit(self, code: int, reason: str) -> NoReturn:
+        log.error(
+            "in-process recovery impossible; exiting for the agent to restart us", reason=reason, code=code
+        )
         sys.stdout.flush()
         sys.stderr.flush()
         # os._exit: JAX's exit hooks would wait on a runtime whose peers are gone.
-        os._exit(RESTART_EXIT_CODE)
+        os._exit(code)
 
     def _epoch(self, assignment: Assignment, num_steps: int) -> Iterator[StepResult]:
         phases, self._recovery = dict(self._recovery), {}
@@ -226,6 +251,7 @@ class Session:
         # publication time it gives how long the epoch took to reach the trainer.
         phases["started_at"] = time.time()
         t = time.monotonic()
+        self._blocking(assignment.epoch, self.policy.stuck_join_exit_s, "joining")
         mesh = self.runtime.start(assignment)
         self.rank = assignment.rank
         phases["reinit"] = time.monotonic() - t
@@ -245,6 +271,7 @@ class Session:
             # not noticed yet) is refused by every tier. In the background, before any save.
             self._saver.submit(self._fence_all, assignment.epoch)
         self.runtime.barrier("compiled", self.policy.init_timeout_s)
+        self._blocked = None
         log.info("epoch ready", epoch=assignment.epoch, step=step, source=source, **_rounded(phases))
 
         acked = False
@@ -254,12 +281,12 @@ class Session:
                 raise TopologyChanged(assignment.epoch, latest.epoch)
             t = time.monotonic()
             batch = self._local_batch(self._batch_for_step(step), assignment, by_rows)
-            self._in_step = (assignment.epoch, t)
+            self._blocking(assignment.epoch, self.policy.stuck_step_exit_s, "step")
             with peer_failures():
                 state, metrics = compiled(state, batch)
                 host_leaves = [_to_host(x) for x in jax.tree_util.tree_leaves(state)]
                 host_metrics = {k: float(_to_host(v)) for k, v in metrics.items()}
-            self._in_step = None
+            self._blocked = None
             step += 1
             self._last_leaves = host_leaves
             self.snapshots.put(step, host_leaves)

@@ -61,6 +61,7 @@ class FaultKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAULT_KIND_TRAINER_EXITED: _ClassVar[FaultKind]
     FAULT_KIND_TRAINER_HUNG: _ClassVar[FaultKind]
     FAULT_KIND_HOST: _ClassVar[FaultKind]
+    FAULT_KIND_ADDRESS_IN_USE: _ClassVar[FaultKind]
 ROLE_UNSPECIFIED: Role
 ROLE_ACTIVE: Role
 ROLE_SPARE: Role
@@ -98,6 +99,7 @@ FAULT_KIND_UNSPECIFIED: FaultKind
 FAULT_KIND_TRAINER_EXITED: FaultKind
 FAULT_KIND_TRAINER_HUNG: FaultKind
 FAULT_KIND_HOST: FaultKind
+FAULT_KIND_ADDRESS_IN_USE: FaultKind
 
 class Member(_message.Message):
     __slots__ = ("host_id", "incarnation", "role", "state", "device_count", "address", "rank", "reason", "updated_at", "last_step")

@@ -64,6 +64,15 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--max-wait", type=float, default=30.0, help="seconds to wait below the minimum before halting"
     )
+    p.add_argument(
+        "--jax-port-base",
+        type=int,
+        default=PlannerSettings.jax_port_base,
+        help="first port of the range the JAX coordination service of each epoch listens in on rank 0",
+    )
+    p.add_argument(
+        "--jax-port-span", type=int, default=PlannerSettings.jax_port_span, help="size of that port range"
+    )
     p.add_argument("--heartbeat-interval", type=float, help="override the preset's heartbeat interval (s)")
     p.add_argument("--heartbeat-timeout", type=float, help="override the preset's heartbeat timeout (s)")
     p.add_argument(
@@ -95,6 +104,8 @@ def settings_from_args(args: argparse.Namespace, redis_url: str) -> Settings:
         min_world_size=args.min_world_size,
         world_size_must_divide=args.must_divide,
         max_wait_s=args.max_wait,
+        jax_port_base=args.jax_port_base,
+        jax_port_span=args.jax_port_span,
     )
     ha = replace(base.ha, enabled=bool(args.ha or args.advertise), advertise=args.advertise or "")
     if args.lease_ttl:
@@ -123,6 +134,14 @@ def run(args: argparse.Namespace) -> int:
             world_size=args.world_size,
             min_world_size=args.min_world_size,
             hint="--world-size must be >= 1 and >= --min-world-size",
+        )
+        return 2
+    if not (args.jax_port_span >= 1 and 1024 <= args.jax_port_base <= 65536 - args.jax_port_span):
+        log.error(
+            "invalid JAX port range",
+            jax_port_base=args.jax_port_base,
+            jax_port_span=args.jax_port_span,
+            hint="the range [--jax-port-base, --jax-port-base + --jax-port-span) must lie within 1024-65535",
         )
         return 2
     embedded = None

@@ -21,7 +21,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from remesh.coordinator.errors import InvalidRequest, NotFound, Rejected
-from remesh.coordinator.model import ClusterState, Event, EventType, Member, MemberState, Role
+from remesh.coordinator.model import (
+    ADDRESS_REFUSED,
+    ClusterState,
+    Event,
+    EventType,
+    Member,
+    MemberState,
+    Role,
+)
 
 __all__ = [
     "FaultKind",
@@ -46,6 +54,7 @@ class FaultKind(enum.StrEnum):
     TRAINER_EXITED = "trainer_exited"
     TRAINER_HUNG = "trainer_hung"
     HOST = "host"
+    ADDRESS_IN_USE = "address_in_use"
 
 
 @dataclass(frozen=True)
@@ -243,6 +252,8 @@ def report_fault(
         if topology is not None and in_topology
         else []
     )
+    if kind is FaultKind.ADDRESS_IN_USE:
+        return _address_in_use(now, state, host_id, incarnation, epoch, details)
     if not member.state.is_up:
         reason = f"{kind.value} reported for {host_id}, which is already {member.state.value}"
         dead = False
@@ -270,6 +281,44 @@ def report_fault(
     if dead:
         events += declare(now, state, host_id, incarnation, MemberState.DEAD, reason)
     return FaultOutcome(events, dead, reason)
+
+
+def _address_in_use(
+    now: float, state: ClusterState, host_id: str, incarnation: int, epoch: int, details: dict[str, str]
+) -> FaultOutcome:
+    """Rank 0's trainer found the epoch's JAX coordination port taken by another process.
+
+    No fault of the host: when it concerns the current epoch and the reporter is its rank 0, the
+    event marks the epoch refused and the planner forms the same members into a new epoch, whose
+    address has another port. A report for an older epoch, or from another member, changes nothing.
+    """
+    topology = state.topology
+    current = (
+        topology is not None
+        and not topology.halted
+        and epoch == topology.epoch
+        and bool(topology.members)
+        and topology.members[0].host_id == host_id
+    )
+    if current:
+        assert topology is not None
+        reason = (
+            f"address_in_use: {topology.jax_coordinator_address} of epoch {epoch} is taken on {host_id}; "
+            "the same members move to a new address"
+        )
+        details = {**details, ADDRESS_REFUSED: "true"}
+    else:
+        reason = f"address_in_use for epoch {epoch} from {host_id}: not rank 0 of the current epoch, ignored"
+    reported = Event(
+        EventType.FAULT_REPORTED,
+        now,
+        state.epoch,
+        reason,
+        host_id=host_id,
+        incarnation=incarnation,
+        details=details,
+    )
+    return FaultOutcome([reported], False, reason)
 
 
 def ack_epoch(

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 __all__ = [
+    "ADDRESS_REFUSED",
     "ClusterState",
     "Event",
     "EventType",
@@ -44,6 +45,10 @@ class MemberState(enum.StrEnum):
     def is_up(self) -> bool:
         """Whether the member still counts as present (it may hold its rank)."""
         return self in (MemberState.JOINING, MemberState.ALIVE, MemberState.SUSPECT)
+
+
+# Detail of a FAULT_REPORTED event: the epoch's JAX coordination address was taken ("true").
+ADDRESS_REFUSED = "address_refused"
 
 
 class EventType(enum.StrEnum):
@@ -182,6 +187,9 @@ class ClusterState:
     live_epoch: int = 0
     # host_id -> epoch it acknowledged, for the members of the current epoch.
     acks: Mapping[str, int] = field(default_factory=dict)
+    # An epoch whose JAX coordination address rank 0 found taken: its members form the next epoch,
+    # on another port (see ``membership.report_fault``).
+    address_refused_epoch: int = 0
 
     @property
     def epoch(self) -> int:
@@ -209,6 +217,8 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
         return replace(state, members=members, acks={**state.acks, event.host_id: event.epoch})
     if event.type is EventType.EPOCH_LIVE:
         return replace(state, members=members, live_epoch=event.epoch)
+    if event.type is EventType.FAULT_REPORTED and event.details.get(ADDRESS_REFUSED) == "true":
+        return replace(state, members=members, address_refused_epoch=int(event.details["epoch"]))
     return replace(state, members=members)
 
 

@@ -9,6 +9,8 @@ decides one of:
 - SHRINK   not enough spares: the largest valid world size from survivors and spares, survivors
            first in their old order.
 - GROW     nothing lost, the job runs below its target size and spares are up.
+- READDRESS nothing lost, but rank 0 found the epoch's JAX coordination port taken: the same
+           members in a new epoch (whose port differs).
 - WAIT     below the minimum size: wait (a JOB_WAITING event marks the start) up to a bound.
 - HALT     the wait ran out: a final, empty topology with the reason.
 - NONE     nothing to do.
@@ -44,6 +46,7 @@ class Kind(enum.StrEnum):
     REPLACE = "replace"
     SHRINK = "shrink"
     GROW = "grow"
+    READDRESS = "readdress"
     WAIT = "wait"
     HALT = "halt"
 
@@ -95,6 +98,13 @@ def plan(now: float, state: ClusterState, steps: Mapping[str, int], settings: Pl
     spares = [m.host_id for m in up if m.host_id not in survivors]
     restore = _restore_step(survivors, steps, topology.restore_step)
 
+    if not lost and state.address_refused_epoch == topology.epoch:
+        return Decision(
+            Kind.READDRESS,
+            f"{topology.jax_coordinator_address} was taken on {current[0]}: same hosts, new address",
+            current,
+            topology.restore_step,
+        )
     if not lost:
         target = settings.largest_valid_size(len(current) + len(spares))
         if target > len(current):
@@ -157,7 +167,7 @@ def _topology(
         )
         for rank, h in enumerate(decision.hosts)
     )
-    port = settings.jax_port_base + epoch % settings.jax_port_span
+    port = settings.jax_port(job_id, epoch)
     devices = min(m.device_count for m in members) if members else 0
     return Topology(
         epoch=epoch,

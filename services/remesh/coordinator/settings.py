@@ -6,6 +6,7 @@ builds one of these; nothing below it reads the environment.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 
 __all__ = ["DetectorSettings", "HaSettings", "PlannerSettings", "Settings"]
@@ -45,10 +46,15 @@ class PlannerSettings:
     world_size_must_divide: int = 0
     # How long to wait for a replacement below the minimum before halting.
     max_wait_s: float = 30.0
-    # The JAX coordination service of epoch E listens on rank 0 at base + E % span: a new port per
-    # epoch, because a re-initialised JAX runtime cannot reuse the old service's port at once.
-    jax_port_base: int = 47000
+    # The JAX coordination service of epoch E listens on rank 0 at a port in [base, base + span):
+    # a new port per epoch, because a re-initialised JAX runtime cannot reuse the old service's port
+    # at once; offset by a hash of the job id, so jobs sharing a host rarely meet on one port. The
+    # range lies below Linux's ephemeral ports (32768-60999), which outgoing connections take.
+    jax_port_base: int = 28000
     jax_port_span: int = 1000
+
+    def jax_port(self, job_id: str, epoch: int) -> int:
+        return self.jax_port_base + (zlib.crc32(job_id.encode()) + epoch) % self.jax_port_span
 
     def is_valid_size(self, n: int) -> bool:
         if n < max(1, self.min_world_size) or n > self.world_size:

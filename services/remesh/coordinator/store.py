@@ -4,7 +4,8 @@ Layout (every key shares the hash tag ``{JOB}``, so a job lives in one Redis Clu
 
     remesh:{JOB}:members    hash    host_id -> Member JSON
     remesh:{JOB}:topology   string  Topology JSON (its epoch inside)
-    remesh:{JOB}:meta       hash    rev (commits so far), waiting_since, live_epoch
+    remesh:{JOB}:meta       hash    rev (commits so far), waiting_since, live_epoch,
+                                    address_refused_epoch
     remesh:{JOB}:acks       hash    host_id -> epoch acknowledged (current epoch's members)
     remesh:{JOB}:events     stream  one entry per Event, field "e" = Event JSON
     remesh:{JOB}:progress   hash    host_id -> last step (flushed in batches, not an event)
@@ -179,6 +180,7 @@ class RedisStore:
             topology=topology,
             waiting_since=float(meta["waiting_since"]) if meta.get("waiting_since") else None,
             live_epoch=int(meta.get("live_epoch", 0)),
+            address_refused_epoch=int(meta.get("address_refused_epoch", 0)),
             acks={h: int(e) for h, e in acks_raw.items()},
         )
         return state, int(meta.get("rev", 0))
@@ -211,6 +213,8 @@ class RedisStore:
             )
         if after.live_epoch != before.live_epoch:
             payload["meta"]["live_epoch"] = str(after.live_epoch)
+        if after.address_refused_epoch != before.address_refused_epoch:
+            payload["meta"]["address_refused_epoch"] = str(after.address_refused_epoch)
         if payload["acks_clear"]:
             payload["acks"] = dict(after.acks)
         # cjson decodes {} and [] alike; an empty table is fine for both loops above.

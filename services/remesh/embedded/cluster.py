@@ -176,6 +176,14 @@ class LocalCluster:
 
         return wait_for(reached, timeout, f"epoch {epoch}")  # type: ignore[return-value]
 
+    def log_tails(self, lines: int = 15) -> str:
+        """The last lines of every process's log: what to read when the job did not do what it should."""
+        parts = []
+        for path in sorted(self.tmp.glob("*.log")):
+            tail = path.read_text(errors="replace").splitlines()[-lines:]
+            parts.append(f"==> {path} <==\n" + "\n".join(tail))
+        return "\n".join(parts)
+
     def close(self) -> None:
         self.reset_channel()
         for proc in reversed(self.procs):
