@@ -128,22 +128,23 @@ def settings_from_args(args: argparse.Namespace, redis_url: str) -> Settings:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.world_size < 1 or args.min_world_size > args.world_size:
-        log.error(
+    checks = (
+        (
+            args.world_size >= 1 and args.min_world_size <= args.world_size,
             "invalid sizes",
-            world_size=args.world_size,
-            min_world_size=args.min_world_size,
-            hint="--world-size must be >= 1 and >= --min-world-size",
-        )
-        return 2
-    if not (args.jax_port_span >= 1 and 1024 <= args.jax_port_base <= 65536 - args.jax_port_span):
-        log.error(
+            f"--world-size ({args.world_size}) must be >= 1 and >= --min-world-size ({args.min_world_size})",
+        ),
+        (
+            args.jax_port_span >= 1 and 1024 <= args.jax_port_base <= 65536 - args.jax_port_span,
             "invalid JAX port range",
-            jax_port_base=args.jax_port_base,
-            jax_port_span=args.jax_port_span,
-            hint="the range [--jax-port-base, --jax-port-base + --jax-port-span) must lie within 1024-65535",
-        )
-        return 2
+            f"the range [--jax-port-base, --jax-port-base + --jax-port-span) = [{args.jax_port_base}, "
+            f"{args.jax_port_base + args.jax_port_span}) must lie within 1024-65535",
+        ),
+    )
+    for ok, message, hint in checks:
+        if not ok:
+            log.error(message, hint=hint)
+            return 2
     embedded = None
     redis_url = args.redis
     if redis_url == "embedded":

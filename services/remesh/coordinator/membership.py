@@ -247,14 +247,29 @@ def report_fault(
     details = {"kind": kind.value, "epoch": str(epoch), "exit_code": str(exit_code), "detail": detail}
     topology = state.topology
     in_topology = topology is not None and host_id in topology.host_ids
+    rank0 = topology.host_ids[0] if topology is not None and topology.host_ids else None
     failing = (
         [h for h in topology.host_ids if h != host_id and state.members[h].state is not MemberState.ALIVE]
         if topology is not None and in_topology
         else []
     )
     if kind is FaultKind.ADDRESS_IN_USE:
-        return _address_in_use(now, state, host_id, incarnation, epoch, details)
-    if not member.state.is_up:
+        # Rank 0's trainer found the epoch's JAX coordination port taken by another process: no
+        # fault of the host. For the current epoch, reported by its rank 0, the event marks the
+        # epoch refused (``ClusterState.address_refused_epoch``) and the planner forms the same
+        # members into a new epoch on another port; any other such report changes nothing.
+        dead = False
+        if topology is not None and not topology.halted and epoch == topology.epoch and rank0 == host_id:
+            reason = (
+                f"address_in_use: {topology.jax_coordinator_address} of epoch {epoch} is taken on "
+                f"{host_id}; the same members move to a new address"
+            )
+            details[ADDRESS_REFUSED] = "true"
+        else:
+            reason = (
+                f"address_in_use for epoch {epoch} from {host_id}: not rank 0 of the current epoch, ignored"
+            )
+    elif not member.state.is_up:
         reason = f"{kind.value} reported for {host_id}, which is already {member.state.value}"
         dead = False
     elif topology is not None and epoch < topology.epoch:
@@ -281,44 +296,6 @@ def report_fault(
     if dead:
         events += declare(now, state, host_id, incarnation, MemberState.DEAD, reason)
     return FaultOutcome(events, dead, reason)
-
-
-def _address_in_use(
-    now: float, state: ClusterState, host_id: str, incarnation: int, epoch: int, details: dict[str, str]
-) -> FaultOutcome:
-    """Rank 0's trainer found the epoch's JAX coordination port taken by another process.
-
-    No fault of the host: when it concerns the current epoch and the reporter is its rank 0, the
-    event marks the epoch refused and the planner forms the same members into a new epoch, whose
-    address has another port. A report for an older epoch, or from another member, changes nothing.
-    """
-    topology = state.topology
-    current = (
-        topology is not None
-        and not topology.halted
-        and epoch == topology.epoch
-        and bool(topology.members)
-        and topology.members[0].host_id == host_id
-    )
-    if current:
-        assert topology is not None
-        reason = (
-            f"address_in_use: {topology.jax_coordinator_address} of epoch {epoch} is taken on {host_id}; "
-            "the same members move to a new address"
-        )
-        details = {**details, ADDRESS_REFUSED: "true"}
-    else:
-        reason = f"address_in_use for epoch {epoch} from {host_id}: not rank 0 of the current epoch, ignored"
-    reported = Event(
-        EventType.FAULT_REPORTED,
-        now,
-        state.epoch,
-        reason,
-        host_id=host_id,
-        incarnation=incarnation,
-        details=details,
-    )
-    return FaultOutcome([reported], False, reason)
 
 
 def ack_epoch(

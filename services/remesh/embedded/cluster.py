@@ -178,11 +178,10 @@ class LocalCluster:
 
     def log_tails(self, lines: int = 15) -> str:
         """The last lines of every process's log: what to read when the job did not do what it should."""
-        parts = []
-        for path in sorted(self.tmp.glob("*.log")):
-            tail = path.read_text(errors="replace").splitlines()[-lines:]
-            parts.append(f"==> {path} <==\n" + "\n".join(tail))
-        return "\n".join(parts)
+        return "\n".join(
+            f"==> {proc.log_path} <==\n" + "\n".join(proc.output().splitlines()[-lines:])
+            for proc in self.procs
+        )
 
     def close(self) -> None:
         self.reset_channel()
