@@ -85,6 +85,9 @@ class CoordinatorMachine(RuleBasedStateMachine):
         # When the planner last ran: a refused input or a quiet detector tick plans nothing.
         self.planned_at = self.now
         self.steps: dict[str, int] = {}
+        # Every checkpoint commit accepted so far, and the epoch current when the job finished.
+        self.committed: set[tuple[int, int]] = set()
+        self.finished_epoch = 0
 
     def teardown(self) -> None:
         self._run(self.store.close())
@@ -230,6 +233,33 @@ class CoordinatorMachine(RuleBasedStateMachine):
 
         self.change(dt, transition)
 
+    @rule(
+        dt=clock_steps,
+        host=host_ids,
+        delta=incarnation_deltas,
+        epoch_delta=epoch_deltas,
+        step=st.integers(-1, 60),
+        tier=st.sampled_from(("local", "gcs", "Bad tier")),
+    )
+    def commit_checkpoint(
+        self, dt: float, host: str, delta: int, epoch_delta: int, step: int, tier: str
+    ) -> None:
+        incarnation = self._incarnation(host, delta)
+        epoch = self.state.epoch + epoch_delta
+        before = self.state.epoch
+        self.change(
+            dt, lambda s, t: membership.commit_checkpoint(t, s, host, incarnation, epoch, step, tier)
+        )
+        # Accepted only for the epoch current when it arrived: a stale writer never commits.
+        assert all(e == before or (s_, e) in self.committed for s_, e in self.state.commits)
+        self.committed |= set(self.state.commits)
+
+    @rule(dt=clock_steps, host=host_ids, delta=incarnation_deltas, epoch_delta=epoch_deltas)
+    def finish(self, dt: float, host: str, delta: int, epoch_delta: int) -> None:
+        incarnation = self._incarnation(host, delta)
+        epoch = self.state.epoch + epoch_delta
+        self.change(dt, lambda s, t: membership.finish(t, s, host, incarnation, epoch, 60))
+
     @rule(dt=clock_steps)
     def tick(self, dt: float) -> None:
         """The detector loop's nudge: plan with no input (a wait may have run out)."""
@@ -292,9 +322,22 @@ class CoordinatorMachine(RuleBasedStateMachine):
         assert self.state.live_epoch <= self.state.epoch
 
     @invariant()
+    def a_finished_job_changes_no_more(self) -> None:
+        if not self.state.finished:
+            self.finished_epoch = self.state.epoch
+            return
+        # After the last step: no epoch, and nobody declared dead.
+        assert self.state.epoch == self.finished_epoch
+        events = self._run(self.store.read_events())
+        finished_at = next(i for i, e in enumerate(events) if e.type is EventType.JOB_FINISHED)
+        assert not [e for e in events[finished_at:] if e.type is EventType.MEMBER_DEAD]
+
+    @invariant()
     def planning_again_changes_nothing(self) -> None:
         decision = plan(self.planned_at, self.state, self.steps, self.planner)
-        assert decision.kind is Kind.NONE, decision.reason
+        # A hold (members lost while others are suspect) commits nothing either: it waits.
+        assert decision.kind in (Kind.NONE, Kind.HOLD), decision.reason
+        assert not plan_events(self.planned_at, self.state, decision, self.planner)
         if self.state.waiting_since is not None:
             assert decision.reason.startswith("waiting for a replacement"), decision.reason
 

@@ -29,9 +29,9 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import structlog
@@ -46,6 +46,8 @@ from remesh.v1 import coordinator_pb2_grpc as pb_grpc
 __all__ = ["Agent", "AgentExit"]
 
 log = structlog.get_logger("remesh.agent")
+
+T = TypeVar("T")
 
 
 class AgentExit(Exception):
@@ -69,17 +71,27 @@ _EOF: Any = getattr(grpc.aio, "EOF")  # noqa: B009 - the type stubs lack it
 
 # The trailing metadata key in which a follower coordinator names the leader (remesh.coordinator.server).
 LEADER_METADATA = "remesh-leader"
+# The trailing metadata key of a refusal because the job finished (its last step).
+FINISHED_METADATA = "remesh-finished"
+# How long a call the trainer waits on (acknowledge, commit, finish) keeps trying through a leader
+# change or a reconnect: longer than a failover takes (~1.5 s), shorter than the trainer's own
+# deadline for the local call.
+_RELAYED_CALL_S = 8.0
+
+
+def _metadata(exc: grpc.aio.AioRpcError, key: str) -> str | None:
+    metadata: Any = exc.trailing_metadata() or ()  # grpc.aio.Metadata: (key, value) pairs
+    for k, value in metadata:
+        if k == key:
+            return value if isinstance(value, str) else value.decode()
+    return None
 
 
 def leader_hint(exc: grpc.aio.AioRpcError) -> str | None:
     """The leader a follower named in its refusal ("" if it knows none); None if it was no follower's."""
     if exc.code() != grpc.StatusCode.UNAVAILABLE:
         return None
-    metadata: Any = exc.trailing_metadata() or ()  # grpc.aio.Metadata: (key, value) pairs
-    for key, value in metadata:
-        if key == LEADER_METADATA:
-            return value if isinstance(value, str) else value.decode()
-    return None
+    return _metadata(exc, LEADER_METADATA)
 
 
 def rank_of(topology: pb.Topology, host_id: str) -> int:
@@ -119,7 +131,8 @@ class Agent:
         self._stopping = asyncio.Event()
         self._trainer_watch: asyncio.Task[None] | None = None
         self._shutdown_task: asyncio.Task[None] | None = None
-        # The trainer exited 0: its run is complete and it is not started again.
+        # The trainer completed the job's last step (it said so, or exited 0): however it exits from
+        # now on is no fault, and it is not started again.
         self._finished = False
         # Set by a progress report: the next heartbeat goes out at once, so the coordinator knows
         # every member's last step within milliseconds (it picks the restore step from them).
@@ -183,6 +196,8 @@ class Agent:
                     await self._stop_trainer("this incarnation is no longer a member")
                     self._backoff = self.settings.reconnect_initial_s
                 except (grpc.aio.AioRpcError, _StreamEnded) as exc:
+                    if isinstance(exc, grpc.aio.AioRpcError) and _metadata(exc, FINISHED_METADATA):
+                        raise AgentExit(f"nothing to do: {exc.details()}", code=0) from exc
                     if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in (
                         grpc.StatusCode.INVALID_ARGUMENT,
                         grpc.StatusCode.FAILED_PRECONDITION,
@@ -293,6 +308,9 @@ class Agent:
             if message.command == pb.COMMAND_DRAIN:
                 await self.shutdown(f"drained: {message.reason}")
                 raise AgentExit("drained by the coordinator")
+            if message.command == pb.COMMAND_FINISHED:
+                await self._job_finished(message.reason)
+                raise AgentExit(message.reason, code=0)
         raise _StreamEnded("the coordinator closed the heartbeat stream")
 
     async def _heartbeats(self, interval: float) -> AsyncIterator[pb.HeartbeatRequest]:
@@ -402,6 +420,7 @@ class Agent:
             "REMESH_JAX_COORDINATOR": topology.jax_coordinator_address,
             "REMESH_RESTORE_STEP": str(topology.restore_step),
             "REMESH_DEVICE_COUNT": str(self.settings.device_count),
+            "REMESH_COMMITS": ",".join(f"{c.step}:{c.epoch}" for c in topology.commits),
         }
 
     async def _spawn(self, topology: pb.Topology, rank: int) -> TrainerProcess:
@@ -463,6 +482,26 @@ class Agent:
         self.warm = await self._spawn(self.topology, -1)
         self.log.info("warm standby trainer started", pid=self.warm.pid, slot=self.warm.slot)
 
+    async def _job_finished(self, reason: str) -> None:
+        """The job completed its last step: the standby goes now, the ranked trainer gets time to
+        leave the JAX runtime and write its outputs (``finish_grace_s``), then the agent exits 0."""
+        self.log.info("job finished; stopping supervision", reason=reason)
+        self._finished = True
+        if self.warm is not None and self.warm.running():
+            await self.warm.stop(self.settings.stop_grace_s)
+        trainer = self.trainer
+        if trainer is None or not trainer.running():
+            return
+        if self._rank(self.topology) < 0:
+            await self._stop_trainer("the job finished; a standby trainer has nothing to do")
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(trainer.wait()), self.settings.finish_grace_s)
+        except TimeoutError:
+            await self._stop_trainer(
+                f"the job finished but the trainer was still running {self.settings.finish_grace_s:g}s later"
+            )
+
     async def _stop_trainer(self, reason: str, *, warm_too: bool = False) -> None:
         for trainer in (self.trainer, self.warm if warm_too else None):
             if trainer is not None and trainer.running():
@@ -481,6 +520,11 @@ class Agent:
             hung=result.hung,
         )
         if result.stopped:
+            return
+        if self._finished:
+            # It completed the job's last step first: an abort on the way out (JAX's shutdown with a
+            # peer already gone) costs nothing and is no fault.
+            self.log.info("trainer exited after finishing the job", code=result.returncode)
             return
         if result.returncode == 0 and not result.hung:
             self._finished = True
@@ -541,18 +585,41 @@ class Agent:
         self.last_step = step
         return int(self.topology.epoch)
 
+    async def _relay(self, call: Callable[[pb_grpc.CoordinatorStub, int], Awaitable[T]]) -> T:
+        """A call the trainer waits on, sent to whichever coordinator leads now.
+
+        Retried through a leader change or a reconnect (UNAVAILABLE, DEADLINE_EXCEEDED) for up to
+        ``_RELAYED_CALL_S``: the session loop finds the new leader meanwhile. Anything else, and the
+        last failure, goes back to the trainer as it came.
+        """
+        deadline = time.monotonic() + _RELAYED_CALL_S
+        pause = 0.05
+        while True:
+            try:
+                return await call(self._connect(), self.incarnation)
+            except grpc.aio.AioRpcError as exc:
+                transient = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                if not transient or time.monotonic() + pause >= deadline:
+                    raise
+                self.log.info("coordinator call retried", code=exc.code().name, detail=exc.details())
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 0.5)
+
     async def ack_epoch(self, request: apb.LocalAckRequest) -> bool:
-        reply = await self._connect().AckEpoch(
-            pb.AckEpochRequest(
-                host_id=self.settings.host_id,
-                incarnation=self.incarnation,
-                epoch=request.epoch,
-                restored_step=request.restored_step,
-                restore_source=request.restore_source,
-                phases=dict(request.phases),
-            ),
-            timeout=5,
-        )
+        def ack(stub: pb_grpc.CoordinatorStub, incarnation: int) -> Awaitable[pb.AckEpochResponse]:
+            return stub.AckEpoch(
+                pb.AckEpochRequest(
+                    host_id=self.settings.host_id,
+                    incarnation=incarnation,
+                    epoch=request.epoch,
+                    restored_step=request.restored_step,
+                    restore_source=request.restore_source,
+                    phases=dict(request.phases),
+                ),
+                timeout=2,
+            )
+
+        reply = await self._relay(ack)
         self.last_progress = time.monotonic()
         self._trainer_runs(request.epoch)
         if request.restored_step >= 0:
@@ -561,6 +628,46 @@ class Agent:
         # In the background: the trainer waits for this reply before its second step.
         self._warm_task = asyncio.create_task(self._ensure_warm())
         return bool(reply.live)
+
+    async def commit_checkpoint(self, request: apb.LocalCommitRequest) -> None:
+        """Ask the coordinator to accept the trainer's checkpoint commit; raises its refusal."""
+
+        def commit(stub: pb_grpc.CoordinatorStub, incarnation: int) -> Awaitable[pb.CommitCheckpointResponse]:
+            return stub.CommitCheckpoint(
+                pb.CommitCheckpointRequest(
+                    host_id=self.settings.host_id,
+                    incarnation=incarnation,
+                    epoch=request.epoch,
+                    step=request.step,
+                    tier=request.tier,
+                ),
+                timeout=2,
+            )
+
+        await self._relay(commit)
+
+    async def finish(self, request: apb.LocalFinishRequest) -> None:
+        """The trainer completed the job's last step: tell the coordinator, and from now on take no
+        exit of the trainer for a fault. Raises the coordinator's refusal (a newer epoch began)."""
+
+        def finish(stub: pb_grpc.CoordinatorStub, incarnation: int) -> Awaitable[pb.FinishResponse]:
+            return stub.Finish(
+                pb.FinishRequest(
+                    host_id=self.settings.host_id,
+                    incarnation=incarnation,
+                    epoch=request.epoch,
+                    step=request.step,
+                ),
+                timeout=2,
+            )
+
+        try:
+            await self._relay(finish)
+        except grpc.aio.AioRpcError as exc:
+            if not _metadata(exc, FINISHED_METADATA):
+                raise
+        self._finished = True
+        self.log.info("trainer finished the job", step=request.step, epoch=request.epoch)
 
     async def _assignments_changed(self) -> None:
         self._version += 1
@@ -622,9 +729,26 @@ class _LocalApi(apb_grpc.AgentLocalServicer):
     async def AckEpoch(
         self, request: apb.LocalAckRequest, context: grpc.aio.ServicerContext
     ) -> apb.LocalAckResponse:
-        try:
-            live = await self._agent.ack_epoch(request)
-        except grpc.aio.AioRpcError as exc:
-            await context.abort(exc.code(), exc.details() or "")
-            raise AssertionError("unreachable") from exc
+        live = await _relayed(context, self._agent.ack_epoch(request))
         return apb.LocalAckResponse(live=live)
+
+    async def CommitCheckpoint(
+        self, request: apb.LocalCommitRequest, context: grpc.aio.ServicerContext
+    ) -> apb.LocalCommitResponse:
+        await _relayed(context, self._agent.commit_checkpoint(request))
+        return apb.LocalCommitResponse()
+
+    async def Finish(
+        self, request: apb.LocalFinishRequest, context: grpc.aio.ServicerContext
+    ) -> apb.LocalFinishResponse:
+        await _relayed(context, self._agent.finish(request))
+        return apb.LocalFinishResponse()
+
+
+async def _relayed(context: grpc.aio.ServicerContext, call: Awaitable[T]) -> T:
+    """The coordinator's answer to a relayed call; its refusal goes to the trainer with its status."""
+    try:
+        return await call
+    except grpc.aio.AioRpcError as exc:
+        await context.abort(exc.code(), exc.details() or "")
+        raise AssertionError("unreachable") from exc

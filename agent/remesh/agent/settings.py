@@ -39,6 +39,9 @@ class AgentSettings:
     warm_standby: bool = True
     # How long a trainer told to stop gets before SIGKILL.
     stop_grace_s: float = 5.0
+    # After the job finished, how long the ranked trainer may take to leave the JAX runtime and
+    # write its outputs before it is stopped (the agent then exits 0 either way).
+    finish_grace_s: float = 60.0
     # An agent that has had no stream to any coordinator for this long assumes it was cut off and
     # declared dead (its rank given to another host): it stops its ranked trainer, which must not
     # train or write for an epoch it no longer belongs to, and rejoins as a spare when the link

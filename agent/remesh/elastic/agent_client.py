@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
+from remesh.elastic.errors import AgentUnreachable, EpochSuperseded
 from remesh.v1 import agent_pb2 as apb
 from remesh.v1 import agent_pb2_grpc as apb_grpc
 
@@ -35,6 +36,9 @@ class Assignment:
     restore_step: int
     halted: bool = False
     hosts: tuple[str, ...] = ()
+    # Checkpoint commits the coordinator accepted before this epoch, (step, epoch): the only ones
+    # this epoch may restore from.
+    commits: frozenset[tuple[int, int]] = frozenset()
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Assignment:
@@ -45,6 +49,12 @@ class Assignment:
             world_size=int(env["REMESH_WORLD_SIZE"]),
             jax_coordinator=env.get("REMESH_JAX_COORDINATOR", ""),
             restore_step=int(env.get("REMESH_RESTORE_STEP", "-1")),
+            commits=frozenset(
+                (int(step), int(epoch))
+                for step, _, epoch in (
+                    c.partition(":") for c in env.get("REMESH_COMMITS", "").split(",") if c
+                )
+            ),
         )
 
     @classmethod
@@ -59,6 +69,7 @@ class Assignment:
             restore_step=t.restore_step,
             halted=t.halted,
             hosts=tuple(m.host_id for m in t.members),
+            commits=frozenset((c.step, c.epoch) for c in t.commits),
         )
 
 
@@ -140,6 +151,36 @@ class AgentClient:
         )
         return bool(reply.live)
 
+    def commit(self, epoch: int, step: int, tier: str) -> None:
+        """Ask the coordinator (through the agent) to accept a checkpoint commit of ``epoch``.
+
+        Raises ``EpochSuperseded`` when it refuses (the epoch is no longer current), and
+        ``AgentUnreachable`` when no answer came: either way the checkpoint is not committed.
+        """
+        try:
+            self._stub.CommitCheckpoint(apb.LocalCommitRequest(epoch=epoch, step=step, tier=tier), timeout=10)
+        except grpc.RpcError as exc:
+            raise _refusal(exc, f"commit of step {step} to {tier} in epoch {epoch}") from exc
+
+    def finish(self, epoch: int, step: int) -> None:
+        """Tell the agent (and the coordinator) this member completed the job's last step.
+
+        Raises ``EpochSuperseded`` when the coordinator refuses (a newer epoch began: the job is not
+        finished), ``AgentUnreachable`` when no answer came.
+        """
+        try:
+            self._stub.Finish(apb.LocalFinishRequest(epoch=epoch, step=step), timeout=10)
+        except grpc.RpcError as exc:
+            raise _refusal(exc, f"finishing the job at step {step} in epoch {epoch}") from exc
+
     def close(self) -> None:
         self._closed = True
         self._channel.close()
+
+
+def _refusal(exc: grpc.RpcError, what: str) -> Exception:
+    code = exc.code() if isinstance(exc, grpc.Call) else None
+    detail = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return EpochSuperseded(f"{what} refused by the coordinator: {detail}")
+    return AgentUnreachable(f"{what}: no answer from the agent or the coordinator ({detail})")

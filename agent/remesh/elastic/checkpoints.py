@@ -16,7 +16,14 @@ read, is corrupt: restore warns and falls back to the previous committed step. A
 never replaced: the marker is created exclusively (local: a hard link, which fails if the name
 exists; GCS: ``if_generation_match=0``).
 
-Epoch fencing: a writer from an older epoch never writes over a newer epoch's work. ``save`` at
+The arbiter of commits: in a job under remesh the coordinator decides whether a checkpoint counts.
+``save(..., approve=...)`` asks it (``approve(step, epoch, tier)``, through the agent) after the
+files are written and before the marker: it accepts only while ``epoch`` is current, so a writer
+paused or cut off through an epoch change never commits, however long it was away. Readers given
+``trusted`` (the commits the coordinator accepted, from the epoch's topology) restore nothing else.
+
+Epoch fencing (also where no coordinator is asked): a writer from an older epoch never writes over a
+newer epoch's work. ``save`` at
 epoch E raises the fence to E by compare-and-swap (local: under an fcntl lock; GCS: generation
 preconditions) and is refused with ``StaleEpoch`` if the fence is already higher; it checks again
 just before the marker. For the sliver of time between that check and the marker, restore also
@@ -52,7 +59,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -67,6 +74,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AlreadyCommitted",
+    "Approve",
     "CheckpointError",
     "Checkpoints",
     "GcsCheckpoints",
@@ -80,6 +88,10 @@ __all__ = [
 log = structlog.get_logger("remesh.elastic.checkpoints")
 
 PyTree = Any
+# Asks the arbiter of commits to accept (step, epoch) for a tier; raises StaleEpoch when it refuses.
+Approve = Callable[[int, int, str], None]
+# The commits the arbiter accepted, (step, epoch); None trusts every marker (no arbiter).
+Trusted = Collection[tuple[int, int]] | None
 STATE = "state"
 MARKER = "COMMITTED"
 FENCE = "EPOCH_FENCE"
@@ -230,10 +242,18 @@ class Checkpoints(abc.ABC):
 
     # ---- the interface -------------------------------------------------------------------------
 
-    def save(self, step: int, epoch: int, state: PyTree, extra: Mapping[str, Any] | None = None) -> None:
-        """Write ``state`` as committed step ``step`` of ``epoch``; the marker goes last.
+    def save(
+        self,
+        step: int,
+        epoch: int,
+        state: PyTree,
+        extra: Mapping[str, Any] | None = None,
+        approve: Approve | None = None,
+    ) -> None:
+        """Write ``state`` as committed step ``step`` of ``epoch``; the marker goes last, once
+        ``approve`` (when given) accepted the commit.
 
-        Raises StaleEpoch or AlreadyCommitted (writing nothing) and NotProcessZero.
+        Raises StaleEpoch or AlreadyCommitted (no marker written) and NotProcessZero.
         """
         if step < 0 or epoch < 0:
             raise ValueError(f"step and epoch must be >= 0, got step={step} epoch={epoch}")
@@ -256,6 +276,8 @@ class Checkpoints(abc.ABC):
             self._publish(step, staged, files)
             # A newer epoch may have begun while we wrote: then this step must not become committed.
             self.fence(epoch)
+            if approve is not None:
+                approve(step, epoch, self.name)
             marker = _Marker(step, epoch, self._clock(), extra, files)
             self._create_marker(step, marker.encode())
             self._committed(step, staged)
@@ -270,24 +292,26 @@ class Checkpoints(abc.ABC):
         """Every step with a commit marker, ascending (intact or not)."""
         return sorted(self._listing()[1])
 
-    def restore(self, step: int | None = None, target: PyTree | None = None) -> Restored:
+    def restore(
+        self, step: int | None = None, target: PyTree | None = None, trusted: Trusted = None
+    ) -> Restored:
         """The newest viable committed step (at or below ``step`` when given), as host arrays.
 
         ``target`` (a pytree of arrays or ``jax.ShapeDtypeStruct``) gives the structure and dtypes.
         """
-        return self._restore_first(self._candidates(step), target)
+        return self._restore_first(self._candidates(step, trusted), target)
 
-    def restore_state(self, step: int, template: PyTree) -> PyTree:
+    def restore_state(self, step: int, template: PyTree, trusted: Trusted = None) -> PyTree:
         """Exactly step ``step`` in the structure of ``template``; NoViableCheckpoint otherwise."""
-        exact = [m for m in self._candidates(step) if m.step == step]
+        exact = [m for m in self._candidates(step, trusted) if m.step == step]
         return self._restore_first(exact, template).state
 
-    def latest_viable(self, max_step: int | None = None) -> int | None:
+    def latest_viable(self, max_step: int | None = None, trusted: Trusted = None) -> int | None:
         """The newest committed step (at or below ``max_step``) whose files match its marker.
 
         Restore falls back further only if Orbax then cannot read that step.
         """
-        for marker in self._candidates(max_step):
+        for marker in self._candidates(max_step, trusted):
             try:
                 self._fetch(marker)
             except _Corrupt as exc:
@@ -305,7 +329,7 @@ class Checkpoints(abc.ABC):
 
     # ---- the protocol --------------------------------------------------------------------------
 
-    def _candidates(self, max_step: int | None) -> list[_Marker]:
+    def _candidates(self, max_step: int | None, trusted: Trusted = None) -> list[_Marker]:
         """Committed steps worth trying, newest first; warns about every step it skips."""
         step_dirs, marked = self._listing()
         for step in sorted(step_dirs - marked):
@@ -328,6 +352,15 @@ class Checkpoints(abc.ABC):
                 log.warning(
                     "corrupt checkpoint ignored: bad marker", step=step, source=self.name, reason=str(exc)
                 )
+                continue
+            if trusted is not None and (marker.step, marker.epoch) not in trusted:
+                if max_step is None or step <= max_step:
+                    log.warning(
+                        "checkpoint ignored: the coordinator never accepted its commit",
+                        step=step,
+                        epoch=marker.epoch,
+                        source=self.name,
+                    )
                 continue
             markers.append(marker)
         viable: list[_Marker] = []

@@ -5,7 +5,11 @@
     ElasticError
     ├── Recoverable            the session tears JAX down and enters the next epoch in-process
     │   ├── TopologyChanged      a new epoch arrived (raised at a step boundary)
-    │   └── PeerFailure          a collective failed or timed out (a peer died): JaxRuntimeError, translated
+    │   ├── PeerFailure          a collective failed or timed out (a peer died): JaxRuntimeError, translated
+    │   └── EpochSuperseded      the coordinator refused an act of this epoch (a checkpoint commit,
+    │                            finishing the job): a newer epoch began; nothing was committed
+    ├── AgentUnreachable       neither the agent nor, through it, the coordinator answered a call
+    │                          (nothing was committed); retried, or the process restarts
     └── RestartProcess         in-process recovery is impossible: exit with RESTART_EXIT_CODE so the
         │                      agent starts a fresh process on the current topology
         └── AddressInUse         rank 0 found the epoch's JAX coordination port taken by another
@@ -19,7 +23,9 @@ from __future__ import annotations
 
 __all__ = [
     "AddressInUse",
+    "AgentUnreachable",
     "ElasticError",
+    "EpochSuperseded",
     "PeerFailure",
     "Recoverable",
     "RestartProcess",
@@ -43,6 +49,14 @@ class TopologyChanged(Recoverable):
 
 
 class PeerFailure(Recoverable):
+    pass
+
+
+class EpochSuperseded(Recoverable):
+    pass
+
+
+class AgentUnreachable(ElasticError):
     pass
 
 

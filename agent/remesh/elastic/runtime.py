@@ -165,6 +165,26 @@ class Runtime:
                 return data
             return bytes(client.blocking_key_value_get_bytes(key, int(timeout_s * 1000)))
 
+    def leave_together(self, timeout_s: float) -> float:
+        """Leave the runtime at the end of the job, every process at once and rank 0 last.
+
+        Rank 0 hosts the coordination service: a process that disconnects after it went away aborts
+        ("Failed to disconnect from coordination service"). So every process meets at a barrier, the
+        others leave, and rank 0 waits until the service sees none of them live (bounded by
+        ``timeout_s``) before it leaves. Returns the seconds it took.
+        """
+        assert self.assignment is not None
+        t0 = time.monotonic()
+        self.barrier("leaving", timeout_s)
+        if self.assignment.rank == 0:
+            client = self._client()
+            everyone = list(range(self.assignment.world_size))
+            deadline = t0 + timeout_s
+            while len(client.get_live_nodes(everyone)) > 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        self.stop()
+        return time.monotonic() - t0
+
     def stop(self) -> float:
         """Leave the epoch's runtime; returns the seconds it took. Arrays from this epoch are invalid."""
         t0 = time.monotonic()

@@ -39,7 +39,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from remesh.elastic.agent_client import AgentClient, Assignment
-from remesh.elastic.errors import AddressInUse, Recoverable, RestartProcess, TopologyChanged
+from remesh.elastic.checkpoints import Approve, CheckpointError, StaleEpoch, Trusted
+from remesh.elastic.errors import (
+    AddressInUse,
+    AgentUnreachable,
+    EpochSuperseded,
+    Recoverable,
+    RestartProcess,
+    TopologyChanged,
+)
 from remesh.elastic.runtime import Runtime, configure_cpu, peer_failures
 from remesh.elastic.snapshots import Snapshots
 
@@ -66,11 +74,13 @@ class CheckpointStore(Protocol):
 
     name: str
 
-    def save(self, step: int, epoch: int, state: PyTree, extra: Mapping[str, Any]) -> None: ...
+    def save(
+        self, step: int, epoch: int, state: PyTree, extra: Mapping[str, Any], approve: Approve | None = None
+    ) -> None: ...
 
-    def latest_viable(self, max_step: int | None = None) -> int | None: ...
+    def latest_viable(self, max_step: int | None = None, trusted: Trusted = None) -> int | None: ...
 
-    def restore_state(self, step: int, template: PyTree) -> PyTree: ...
+    def restore_state(self, step: int, template: PyTree, trusted: Trusted = None) -> PyTree: ...
 
     def fence(self, epoch: int) -> None: ...
 
@@ -298,6 +308,31 @@ class Session:
             self._maybe_checkpoint(step, assignment, host_leaves)
             yield StepResult(step, assignment.epoch, assignment.world_size, host_metrics)
         self._wait_for_save()
+        if not acked:  # restored at the last step (a peer died at the end): the epoch still goes live
+            self.agent.ack(assignment.epoch, step, source, phases)
+        self._finish(assignment, step)
+
+    def _finish(self, assignment: Assignment, step: int) -> None:
+        """The job's last step is done here: once every member has done it, report the job finished
+        and leave the JAX runtime together (rank 0 last), so that no exit on the way out is a fault."""
+        self._blocking(assignment.epoch, self.policy.stuck_join_exit_s, "finishing")
+        self.runtime.barrier("finished", self.policy.init_timeout_s)
+        self._blocked = None
+        for attempt in range(3):
+            try:
+                self.agent.finish(assignment.epoch, step)
+                break
+            except AgentUnreachable as exc:
+                log.warning("could not report the job finished; retrying", error=str(exc), attempt=attempt)
+        else:
+            raise RestartProcess("the agent did not take the report that the job finished")
+        log.info("job finished", step=step, epoch=assignment.epoch)
+        try:
+            self.runtime.leave_together(self.policy.init_timeout_s)
+        except Exception as exc:  # the job is finished; a peer that left early changes nothing
+            log.warning(
+                "leaving the JAX runtime at the end reported an error", error=str(exc).splitlines()[0]
+            )
 
     def _pretrace(self) -> None:
         """Trace the state's shapes and the step function while idle, not during a recovery.
@@ -365,7 +400,7 @@ class Session:
             return leaves, target, source
         # No member holds it in memory: the newest committed checkpoint at or below it, chosen by
         # rank 0 so every member loads the same one.
-        candidate = self._newest_checkpoint(target) if assignment.rank == 0 else -1
+        candidate = self._newest_checkpoint(target, assignment.commits) if assignment.rank == 0 else -1
         chosen = self.runtime.allgather_int("checkpoint", candidate, self.policy.init_timeout_s)[0]
         if chosen < 0:
             log.info(
@@ -377,16 +412,19 @@ class Session:
             init = jax.jit(self._init_state)()
             return [np.asarray(x) for x in jax.tree_util.tree_leaves(init)], 0, "scratch"
         for store in self.checkpoints:
-            if (store.latest_viable(chosen) or -1) == chosen:
+            if (store.latest_viable(chosen, assignment.commits) or -1) == chosen:
                 self.snapshots.clear()
-                tree = store.restore_state(chosen, jax.tree_util.tree_unflatten(self._treedef, template))
+                tree = store.restore_state(
+                    chosen, jax.tree_util.tree_unflatten(self._treedef, template), assignment.commits
+                )
                 return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)], chosen, store.name
         raise RestartProcess(f"checkpoint of step {chosen} chosen by rank 0 is not readable here")
 
-    def _newest_checkpoint(self, target: int) -> int:
+    def _newest_checkpoint(self, target: int, trusted: Trusted) -> int:
+        """The newest checkpoint at or below ``target`` whose commit the coordinator accepted."""
         best = -1
         for store in self.checkpoints:
-            step = store.latest_viable(None if target < 0 else target)
+            step = store.latest_viable(None if target < 0 else target, trusted)
             if step is not None and step > best:
                 best = step
         return best
@@ -431,9 +469,23 @@ class Session:
                 )
                 return
             try:
-                store.save(step, epoch, tree, {"step": step})
+                store.save(step, epoch, tree, {"step": step}, approve=self._approve)
+            except StaleEpoch as exc:
+                log.warning(
+                    "checkpoint not committed: its epoch is over", store=store.name, step=step, error=str(exc)
+                )
+                return
             except Exception as exc:  # a failed save loses nothing committed; training goes on
                 log.warning("checkpoint save failed", store=store.name, step=step, error=str(exc))
+
+    def _approve(self, step: int, epoch: int, tier: str) -> None:
+        """The coordinator, through the agent, accepts the commit only while ``epoch`` is current."""
+        try:
+            self.agent.commit(epoch, step, tier)
+        except EpochSuperseded as exc:
+            raise StaleEpoch(str(exc)) from exc
+        except AgentUnreachable as exc:
+            raise CheckpointError(f"not committed: {exc}") from exc
 
     def _local_batch(
         self, global_batch: np.ndarray, assignment: Assignment, sharding: NamedSharding

@@ -65,3 +65,29 @@ class LocalAckResponse(_message.Message):
     LIVE_FIELD_NUMBER: _ClassVar[int]
     live: bool
     def __init__(self, live: _Optional[bool] = ...) -> None: ...
+
+class LocalCommitRequest(_message.Message):
+    __slots__ = ("epoch", "step", "tier")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    step: int
+    tier: str
+    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., tier: _Optional[str] = ...) -> None: ...
+
+class LocalCommitResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LocalFinishRequest(_message.Message):
+    __slots__ = ("epoch", "step")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    step: int
+    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
+class LocalFinishResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

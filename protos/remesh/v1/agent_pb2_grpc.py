@@ -49,6 +49,16 @@ class AgentLocalStub:
                 request_serializer=remesh_dot_v1_dot_agent__pb2.LocalAckRequest.SerializeToString,
                 response_deserializer=remesh_dot_v1_dot_agent__pb2.LocalAckResponse.FromString,
                 _registered_method=True)
+        self.CommitCheckpoint = channel.unary_unary(
+                '/remesh.v1.AgentLocal/CommitCheckpoint',
+                request_serializer=remesh_dot_v1_dot_agent__pb2.LocalCommitRequest.SerializeToString,
+                response_deserializer=remesh_dot_v1_dot_agent__pb2.LocalCommitResponse.FromString,
+                _registered_method=True)
+        self.Finish = channel.unary_unary(
+                '/remesh.v1.AgentLocal/Finish',
+                request_serializer=remesh_dot_v1_dot_agent__pb2.LocalFinishRequest.SerializeToString,
+                response_deserializer=remesh_dot_v1_dot_agent__pb2.LocalFinishResponse.FromString,
+                _registered_method=True)
 
 
 class AgentLocalServicer:
@@ -74,6 +84,21 @@ class AgentLocalServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CommitCheckpoint(self, request, context):
+        """Ask the coordinator to accept a checkpoint commit for this host (see Coordinator.CommitCheckpoint):
+        FAILED_PRECONDITION when refused (a stale epoch), UNAVAILABLE when no coordinator answered.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Finish(self, request, context):
+        """The trainer completed the job's last step: it is not a fault if it exits in any way afterwards.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentLocalServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -91,6 +116,16 @@ def add_AgentLocalServicer_to_server(servicer, server):
                     servicer.AckEpoch,
                     request_deserializer=remesh_dot_v1_dot_agent__pb2.LocalAckRequest.FromString,
                     response_serializer=remesh_dot_v1_dot_agent__pb2.LocalAckResponse.SerializeToString,
+            ),
+            'CommitCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitCheckpoint,
+                    request_deserializer=remesh_dot_v1_dot_agent__pb2.LocalCommitRequest.FromString,
+                    response_serializer=remesh_dot_v1_dot_agent__pb2.LocalCommitResponse.SerializeToString,
+            ),
+            'Finish': grpc.unary_unary_rpc_method_handler(
+                    servicer.Finish,
+                    request_deserializer=remesh_dot_v1_dot_agent__pb2.LocalFinishRequest.FromString,
+                    response_serializer=remesh_dot_v1_dot_agent__pb2.LocalFinishResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -174,6 +209,60 @@ class AgentLocal:
             '/remesh.v1.AgentLocal/AckEpoch',
             remesh_dot_v1_dot_agent__pb2.LocalAckRequest.SerializeToString,
             remesh_dot_v1_dot_agent__pb2.LocalAckResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/remesh.v1.AgentLocal/CommitCheckpoint',
+            remesh_dot_v1_dot_agent__pb2.LocalCommitRequest.SerializeToString,
+            remesh_dot_v1_dot_agent__pb2.LocalCommitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Finish(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/remesh.v1.AgentLocal/Finish',
+            remesh_dot_v1_dot_agent__pb2.LocalFinishRequest.SerializeToString,
+            remesh_dot_v1_dot_agent__pb2.LocalFinishResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -40,6 +40,8 @@ class EventType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EVENT_TYPE_FAULT_REPORTED: _ClassVar[EventType]
     EVENT_TYPE_MEMBER_REJOINED: _ClassVar[EventType]
     EVENT_TYPE_MEMBER_ASSIGNED: _ClassVar[EventType]
+    EVENT_TYPE_CHECKPOINT_COMMITTED: _ClassVar[EventType]
+    EVENT_TYPE_JOB_FINISHED: _ClassVar[EventType]
 
 class TrainerStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -54,6 +56,7 @@ class Command(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     COMMAND_UNSPECIFIED: _ClassVar[Command]
     COMMAND_REREGISTER: _ClassVar[Command]
     COMMAND_DRAIN: _ClassVar[Command]
+    COMMAND_FINISHED: _ClassVar[Command]
 
 class FaultKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -87,6 +90,8 @@ EVENT_TYPE_JOB_HALTED: EventType
 EVENT_TYPE_FAULT_REPORTED: EventType
 EVENT_TYPE_MEMBER_REJOINED: EventType
 EVENT_TYPE_MEMBER_ASSIGNED: EventType
+EVENT_TYPE_CHECKPOINT_COMMITTED: EventType
+EVENT_TYPE_JOB_FINISHED: EventType
 TRAINER_STATUS_UNSPECIFIED: TrainerStatus
 TRAINER_STATUS_NOT_STARTED: TrainerStatus
 TRAINER_STATUS_RUNNING: TrainerStatus
@@ -95,6 +100,7 @@ TRAINER_STATUS_HUNG: TrainerStatus
 COMMAND_UNSPECIFIED: Command
 COMMAND_REREGISTER: Command
 COMMAND_DRAIN: Command
+COMMAND_FINISHED: Command
 FAULT_KIND_UNSPECIFIED: FaultKind
 FAULT_KIND_TRAINER_EXITED: FaultKind
 FAULT_KIND_TRAINER_HUNG: FaultKind
@@ -138,7 +144,7 @@ class TopologyMember(_message.Message):
     def __init__(self, host_id: _Optional[str] = ..., rank: _Optional[int] = ..., device_count: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
 
 class Topology(_message.Message):
-    __slots__ = ("epoch", "members", "mesh_shape", "jax_coordinator_address", "restore_step", "reason", "created_at", "halted", "job_id")
+    __slots__ = ("epoch", "members", "mesh_shape", "jax_coordinator_address", "restore_step", "reason", "created_at", "halted", "job_id", "commits")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     MESH_SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +154,7 @@ class Topology(_message.Message):
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     HALTED_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMITS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     members: _containers.RepeatedCompositeFieldContainer[TopologyMember]
     mesh_shape: _containers.RepeatedScalarFieldContainer[int]
@@ -157,7 +164,16 @@ class Topology(_message.Message):
     created_at: float
     halted: bool
     job_id: str
-    def __init__(self, epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[TopologyMember, _Mapping]]] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., jax_coordinator_address: _Optional[str] = ..., restore_step: _Optional[int] = ..., reason: _Optional[str] = ..., created_at: _Optional[float] = ..., halted: _Optional[bool] = ..., job_id: _Optional[str] = ...) -> None: ...
+    commits: _containers.RepeatedCompositeFieldContainer[CheckpointCommit]
+    def __init__(self, epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[TopologyMember, _Mapping]]] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., jax_coordinator_address: _Optional[str] = ..., restore_step: _Optional[int] = ..., reason: _Optional[str] = ..., created_at: _Optional[float] = ..., halted: _Optional[bool] = ..., job_id: _Optional[str] = ..., commits: _Optional[_Iterable[_Union[CheckpointCommit, _Mapping]]] = ...) -> None: ...
+
+class CheckpointCommit(_message.Message):
+    __slots__ = ("step", "epoch")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    epoch: int
+    def __init__(self, step: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class Event(_message.Message):
     __slots__ = ("id", "type", "time", "host_id", "incarnation", "epoch", "reason", "member", "topology", "details")
@@ -352,6 +368,40 @@ class ReportFaultResponse(_message.Message):
     member_dead: bool
     reason: str
     def __init__(self, member_dead: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class CommitCheckpointRequest(_message.Message):
+    __slots__ = ("host_id", "incarnation", "epoch", "step", "tier")
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    host_id: str
+    incarnation: int
+    epoch: int
+    step: int
+    tier: str
+    def __init__(self, host_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., tier: _Optional[str] = ...) -> None: ...
+
+class CommitCheckpointResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FinishRequest(_message.Message):
+    __slots__ = ("host_id", "incarnation", "epoch", "step")
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    host_id: str
+    incarnation: int
+    epoch: int
+    step: int
+    def __init__(self, host_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
+class FinishResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("host_id", "reason")

@@ -89,6 +89,16 @@ class CoordinatorStub:
                 request_serializer=remesh_dot_v1_dot_coordinator__pb2.DrainRequest.SerializeToString,
                 response_deserializer=remesh_dot_v1_dot_coordinator__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.CommitCheckpoint = channel.unary_unary(
+                '/remesh.v1.Coordinator/CommitCheckpoint',
+                request_serializer=remesh_dot_v1_dot_coordinator__pb2.CommitCheckpointRequest.SerializeToString,
+                response_deserializer=remesh_dot_v1_dot_coordinator__pb2.CommitCheckpointResponse.FromString,
+                _registered_method=True)
+        self.Finish = channel.unary_unary(
+                '/remesh.v1.Coordinator/Finish',
+                request_serializer=remesh_dot_v1_dot_coordinator__pb2.FinishRequest.SerializeToString,
+                response_deserializer=remesh_dot_v1_dot_coordinator__pb2.FinishResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -163,6 +173,23 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CommitCheckpoint(self, request, context):
+        """Before a trainer writes a checkpoint's commit marker: accepted (and recorded in the event log)
+        only for the current epoch, so a writer from an older epoch never commits; refused with
+        FAILED_PRECONDITION otherwise.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Finish(self, request, context):
+        """A member completed the job's last step (after every member did): the job is finished; agents
+        are told to exit 0 and nothing is judged any more.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -220,6 +247,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=remesh_dot_v1_dot_coordinator__pb2.DrainRequest.FromString,
                     response_serializer=remesh_dot_v1_dot_coordinator__pb2.DrainResponse.SerializeToString,
+            ),
+            'CommitCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitCheckpoint,
+                    request_deserializer=remesh_dot_v1_dot_coordinator__pb2.CommitCheckpointRequest.FromString,
+                    response_serializer=remesh_dot_v1_dot_coordinator__pb2.CommitCheckpointResponse.SerializeToString,
+            ),
+            'Finish': grpc.unary_unary_rpc_method_handler(
+                    servicer.Finish,
+                    request_deserializer=remesh_dot_v1_dot_coordinator__pb2.FinishRequest.FromString,
+                    response_serializer=remesh_dot_v1_dot_coordinator__pb2.FinishResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -519,6 +556,60 @@ class Coordinator:
             '/remesh.v1.Coordinator/Drain',
             remesh_dot_v1_dot_coordinator__pb2.DrainRequest.SerializeToString,
             remesh_dot_v1_dot_coordinator__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/remesh.v1.Coordinator/CommitCheckpoint',
+            remesh_dot_v1_dot_coordinator__pb2.CommitCheckpointRequest.SerializeToString,
+            remesh_dot_v1_dot_coordinator__pb2.CommitCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Finish(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/remesh.v1.Coordinator/Finish',
+            remesh_dot_v1_dot_coordinator__pb2.FinishRequest.SerializeToString,
+            remesh_dot_v1_dot_coordinator__pb2.FinishResponse.FromString,
             options,
             channel_credentials,
             insecure,

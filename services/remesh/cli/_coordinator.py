@@ -99,7 +99,10 @@ def settings_from_args(args: argparse.Namespace, redis_url: str) -> Settings:
         d = replace(d, heartbeat_timeout_s=args.heartbeat_timeout)
     if args.no_stream_signal:
         d = replace(d, stream_break_signal=False)
-    planner = PlannerSettings(
+    planner = replace(
+        base.planner,
+        # A suspect's verdict comes within the silence between suspect and dead: wait at least that.
+        suspect_hold_s=max(base.planner.suspect_hold_s, d.heartbeat_timeout_s - d.suspect_after_s + 0.2),
         world_size=args.world_size,
         min_world_size=args.min_world_size,
         world_size_must_divide=args.must_divide,

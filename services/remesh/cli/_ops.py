@@ -70,6 +70,8 @@ _EVENT_STYLE = {
     "epoch_live": "blue",
     "job_waiting": "yellow",
     "job_halted": "bold red",
+    "checkpoint_committed": "green",
+    "job_finished": "bold green",
 }
 
 _HINTS: dict[grpc.StatusCode, str] = {
@@ -232,6 +234,7 @@ def _topology_dict(msg: pb.Topology) -> dict[str, Any]:
         "created_at": msg.created_at,
         "halted": msg.halted,
         "job_id": msg.job_id,
+        "commits": [{"step": c.step, "epoch": c.epoch} for c in msg.commits],
         "members": [
             {"host_id": m.host_id, "rank": m.rank, "device_count": m.device_count, "address": m.address}
             for m in msg.members

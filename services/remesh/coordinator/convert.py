@@ -101,6 +101,7 @@ def topology_to_pb(topology: Topology | None) -> pb.Topology:
         created_at=topology.created_at,
         halted=topology.halted,
         job_id=topology.job_id,
+        commits=[pb.CheckpointCommit(step=step, epoch=epoch) for step, epoch in topology.commits],
     )
 
 
@@ -120,6 +121,7 @@ def topology_from_pb(msg: pb.Topology) -> Topology | None:
         created_at=msg.created_at,
         halted=msg.halted,
         job_id=msg.job_id,
+        commits=tuple((c.step, c.epoch) for c in msg.commits),
     )
 
 

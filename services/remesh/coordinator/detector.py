@@ -46,6 +46,8 @@ def judge(
     now: float, state: ClusterState, liveness: Mapping[str, Liveness], settings: DetectorSettings
 ) -> list[Verdict]:
     verdicts: list[Verdict] = []
+    if state.finished:
+        return verdicts  # agents leave a finished job by closing their streams: nobody is judged
     for member in state.members.values():
         if not (member.state.is_up or member.state is MemberState.DRAINING):
             continue

@@ -6,7 +6,10 @@
     ├── InvalidRequest      the request is malformed: fix it, do not retry   -> INVALID_ARGUMENT
     ├── NotFound            an unknown host or id                             -> NOT_FOUND
     ├── Rejected            valid but refused in this state (stale
-    │                       incarnation or epoch, dead member, halted job)    -> FAILED_PRECONDITION
+    │   │                   incarnation or epoch, dead member, halted job)    -> FAILED_PRECONDITION
+    │   └── JobFinished     the job reached its last step: nothing to join;   -> FAILED_PRECONDITION,
+    │                       an agent exits 0                                     with the last step in
+    │                                                                            ``remesh-finished``
     └── TemporaryError      try again with backoff
         ├── StoreUnavailable  Redis cannot be reached                       -> UNAVAILABLE
         ├── Conflict          another writer changed the state first        -> ABORTED
@@ -25,6 +28,7 @@ __all__ = [
     "CoordinatorError",
     "Fenced",
     "InvalidRequest",
+    "JobFinished",
     "NotFound",
     "NotLeader",
     "Rejected",
@@ -47,6 +51,12 @@ class NotFound(CoordinatorError):
 
 class Rejected(CoordinatorError):
     pass
+
+
+class JobFinished(Rejected):
+    def __init__(self, message: str, step: int) -> None:
+        super().__init__(message)
+        self.step = step
 
 
 class TemporaryError(CoordinatorError):

@@ -20,7 +20,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from remesh.coordinator.errors import InvalidRequest, NotFound, Rejected
+from remesh.coordinator.errors import InvalidRequest, JobFinished, NotFound, Rejected
 from remesh.coordinator.model import (
     ADDRESS_REFUSED,
     ClusterState,
@@ -35,8 +35,10 @@ __all__ = [
     "FaultKind",
     "FaultOutcome",
     "ack_epoch",
+    "commit_checkpoint",
     "declare",
     "drain",
+    "finish",
     "heartbeat",
     "leave",
     "register",
@@ -48,6 +50,8 @@ __all__ = [
 _HOST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
 _MAX_DEVICES = 65536
 _MAX_TEXT = 1024
+# A checkpoint tier's name ("local", "gcs"): it lands in events and logs.
+_TIER = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 
 
 class FaultKind(enum.StrEnum):
@@ -103,6 +107,14 @@ def _current(state: ClusterState, host_id: str, incarnation: int, max_length: in
     return member
 
 
+def _refuse_if_finished(state: ClusterState) -> None:
+    if state.finished:
+        raise JobFinished(
+            f"the job finished at step {state.finished_step}: there is nothing left to join or run",
+            state.finished_step,
+        )
+
+
 def _event(type_: EventType, now: float, state: ClusterState, member: Member, reason: str) -> Event:
     return Event(
         type_, now, state.epoch, reason, host_id=member.host_id, incarnation=member.incarnation, member=member
@@ -122,6 +134,7 @@ def register(
     if not 0 <= device_count <= _MAX_DEVICES:
         raise InvalidRequest(f"device_count {device_count} is outside 0..{_MAX_DEVICES}")
     _text("address", address)
+    _refuse_if_finished(state)
     if state.halted:
         raise Rejected(
             f"the job is halted ({state.topology.reason if state.topology else ''}): start a new job"
@@ -183,7 +196,10 @@ def heartbeat(
 def declare(
     now: float, state: ClusterState, host_id: str, incarnation: int, new: MemberState, reason: str
 ) -> list[Event]:
-    """A detector verdict (suspect or dead). Re-checks that the verdict still applies."""
+    """A detector verdict (suspect or dead). Re-checks that the verdict still applies; after the job
+    finished nobody is judged (agents leave it by closing their streams)."""
+    if state.finished:
+        return []
     member = state.members.get(host_id)
     if member is None or member.incarnation != incarnation or member.state is new:
         return []
@@ -253,6 +269,12 @@ def report_fault(
         if topology is not None and in_topology
         else []
     )
+    if state.finished:
+        # A trainer that aborts after the job's last step (JAX's shutdown with a peer already gone)
+        # cost nothing: nothing is recorded.
+        return FaultOutcome(
+            [], False, f"the job finished at step {state.finished_step}: {kind.value} is not a fault"
+        )
     if kind is FaultKind.ADDRESS_IN_USE:
         # Rank 0's trainer found the epoch's JAX coordination port taken by another process: no
         # fault of the host. For the current epoch, reported by its rank 0, the event marks the
@@ -348,3 +370,84 @@ def ack_epoch(
             Event(EventType.EPOCH_LIVE, now, epoch, f"all {topology.world_size} members run epoch {epoch}")
         )
     return events, live
+
+
+def _in_current_epoch(state: ClusterState, member: Member, epoch: int, what: str) -> None:
+    """Guards for a message that acts for ``epoch``: it must be the running epoch, and the member in it."""
+    if not member.state.is_up:
+        raise Rejected(f"{member.host_id} is {member.state.value} ({member.reason}): it cannot {what}")
+    topology = state.topology
+    if topology is None or topology.halted:
+        raise Rejected(f"there is no running topology: {member.host_id} cannot {what}")
+    if epoch != topology.epoch:
+        raise Rejected(
+            f"stale epoch {epoch}: epoch {topology.epoch} is current; a member of an older epoch cannot {what}"
+        )
+    if member.host_id not in topology.host_ids:
+        raise Rejected(f"{member.host_id} is not a member of epoch {epoch}: it cannot {what}")
+
+
+def commit_checkpoint(
+    now: float,
+    state: ClusterState,
+    host_id: str,
+    incarnation: int,
+    epoch: int,
+    step: int,
+    tier: str,
+    max_length: int = 128,
+) -> list[Event]:
+    """Accept a checkpoint commit only from a member of the current epoch: the arbiter of commits.
+
+    The trainer writes its commit marker only after this accepted: a writer from an older epoch (a
+    host paused or cut off through an epoch change) is refused however long it was away, because the
+    epoch it names is no longer current here. An accepted commit is recorded once per tier.
+    """
+    member = _current(state, host_id, incarnation, max_length)
+    if step < 0:
+        raise InvalidRequest(f"step {step} is negative")
+    if not _TIER.fullmatch(tier):
+        raise InvalidRequest(f"tier {tier[:40]!r} is not a short lowercase name like 'local' or 'gcs'")
+    _in_current_epoch(state, member, epoch, f"commit a checkpoint for epoch {epoch}")
+    details = {"step": str(step), "tier": tier}
+    return [
+        Event(
+            EventType.CHECKPOINT_COMMITTED,
+            now,
+            epoch,
+            f"{host_id} committed step {step} to {tier} in epoch {epoch}",
+            host_id=host_id,
+            incarnation=incarnation,
+            details=details,
+        )
+    ]
+
+
+def finish(
+    now: float,
+    state: ClusterState,
+    host_id: str,
+    incarnation: int,
+    epoch: int,
+    step: int,
+    max_length: int = 128,
+) -> list[Event]:
+    """A member of the current epoch completed the job's last step (after every member did: the
+    trainer waits for all at a barrier first): the job is finished. Later reports change nothing."""
+    member = _current(state, host_id, incarnation, max_length)
+    if step < 0:
+        raise InvalidRequest(f"step {step} is negative")
+    if state.finished:
+        return []
+    _in_current_epoch(state, member, epoch, f"finish the job in epoch {epoch}")
+    return [
+        Event(
+            EventType.JOB_FINISHED,
+            now,
+            epoch,
+            f"the job finished: every member of epoch {epoch} completed step {step} ({host_id} reported)",
+            host_id=host_id,
+            incarnation=incarnation,
+            details={"step": str(step)},
+        )
+    ]

@@ -15,6 +15,7 @@ from typing import Any
 
 __all__ = [
     "ADDRESS_REFUSED",
+    "COMMITS_KEPT",
     "ClusterState",
     "Event",
     "EventType",
@@ -49,6 +50,9 @@ class MemberState(enum.StrEnum):
 
 # Detail of a FAULT_REPORTED event: the epoch's JAX coordination address was taken ("true").
 ADDRESS_REFUSED = "address_refused"
+# Accepted checkpoint commits a topology carries (see ``Topology.commits``): enough for any restore
+# step a new epoch names (the newest step its survivors all reached), a bounded record at any size.
+COMMITS_KEPT = 8
 
 
 class EventType(enum.StrEnum):
@@ -66,6 +70,8 @@ class EventType(enum.StrEnum):
     EPOCH_LIVE = "epoch_live"
     JOB_WAITING = "job_waiting"
     JOB_HALTED = "job_halted"
+    CHECKPOINT_COMMITTED = "checkpoint_committed"
+    JOB_FINISHED = "job_finished"
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,11 @@ class Topology:
     created_at: float
     halted: bool = False
     job_id: str = ""
+    # The checkpoints the coordinator accepted before this epoch was published, (step, epoch), newest
+    # first (at most ``COMMITS_KEPT``): the only ones a member of this epoch may restore from. Every
+    # commit a restore in this epoch could want precedes the epoch: its own commits come later and
+    # are of later steps than its restore step.
+    commits: tuple[tuple[int, int], ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -123,7 +134,11 @@ class Topology:
         return -1
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if not self.commits:
+            # Written only when set: an event log from before the field reads and writes back unchanged.
+            del d["commits"]
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Topology:
@@ -132,6 +147,7 @@ class Topology:
                 **d,
                 "members": tuple(TopologyMember(**m) for m in d["members"]),
                 "mesh_shape": tuple(d["mesh_shape"]),
+                "commits": tuple((int(s), int(e)) for s, e in d.get("commits", ())),
             }
         )
 
@@ -156,6 +172,8 @@ class Event:
         d = asdict(self)
         del d["id"]
         d["details"] = dict(self.details)
+        if self.topology is not None:
+            d["topology"] = self.topology.to_dict()
         return json.dumps(d, separators=(",", ":"), sort_keys=True)
 
     @classmethod
@@ -190,6 +208,10 @@ class ClusterState:
     # An epoch whose JAX coordination address rank 0 found taken: its members form the next epoch,
     # on another port (see ``membership.report_fault``).
     address_refused_epoch: int = 0
+    # Checkpoint commits the coordinator accepted, (step, epoch), newest first (``COMMITS_KEPT``).
+    commits: tuple[tuple[int, int], ...] = ()
+    # The last step of a job that finished (JOB_FINISHED); -1 while it runs.
+    finished_step: int = -1
 
     @property
     def epoch(self) -> int:
@@ -198,6 +220,10 @@ class ClusterState:
     @property
     def halted(self) -> bool:
         return bool(self.topology and self.topology.halted)
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_step >= 0
 
 
 def apply(state: ClusterState, event: Event) -> ClusterState:
@@ -219,7 +245,19 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
         return replace(state, members=members, live_epoch=event.epoch)
     if event.type is EventType.FAULT_REPORTED and event.details.get(ADDRESS_REFUSED) == "true":
         return replace(state, members=members, address_refused_epoch=int(event.details["epoch"]))
+    step = _step_of(event)
+    if event.type is EventType.CHECKPOINT_COMMITTED and step is not None:
+        commits = tuple(sorted({*state.commits, (step, event.epoch)}, reverse=True))[:COMMITS_KEPT]
+        return replace(state, members=members, commits=commits)
+    if event.type is EventType.JOB_FINISHED and step is not None:
+        return replace(state, members=members, finished_step=step)
     return replace(state, members=members)
+
+
+def _step_of(event: Event) -> int | None:
+    """The ``step`` detail of a checkpoint or finish event; None where it has none (it changes nothing)."""
+    raw = event.details.get("step", "")
+    return int(raw) if raw.lstrip("-").isdigit() else None
 
 
 def replay(events: Iterable[Event], start: ClusterState | None = None) -> ClusterState:

@@ -11,6 +11,10 @@ decides one of:
 - GROW     nothing lost, the job runs below its target size and spares are up.
 - READDRESS nothing lost, but rank 0 found the epoch's JAX coordination port taken: the same
            members in a new epoch (whose port differs).
+- HOLD     members are lost while others of the topology are suspect: their verdicts are near
+           (dead, or refuted by a heartbeat), so the plan waits for them, up to
+           ``settings.suspect_hold_s`` after the first loss, and a correlated failure becomes one
+           epoch instead of one per host.
 - WAIT     below the minimum size: wait (a JOB_WAITING event marks the start) up to a bound.
 - HALT     the wait ran out: a final, empty topology with the reason.
 - NONE     nothing to do.
@@ -47,6 +51,7 @@ class Kind(enum.StrEnum):
     SHRINK = "shrink"
     GROW = "grow"
     READDRESS = "readdress"
+    HOLD = "hold"
     WAIT = "wait"
     HALT = "halt"
 
@@ -76,6 +81,8 @@ def plan(now: float, state: ClusterState, steps: Mapping[str, int], settings: Pl
     topology = state.topology
     if topology is not None and topology.halted:
         return Decision(Kind.NONE, f"job halted: {topology.reason}")
+    if state.finished:
+        return Decision(Kind.NONE, f"job finished at step {state.finished_step}")
     up = sorted(
         (m for m in state.members.values() if m.state is MemberState.ALIVE),
         key=lambda m: natural_key(m.host_id),
@@ -114,6 +121,20 @@ def plan(now: float, state: ClusterState, steps: Mapping[str, int], settings: Pl
                 Kind.GROW, f"grew from {len(current)} to {target} hosts: added {added}", hosts, restore
             )
         return Decision(Kind.NONE, "topology healthy")
+
+    suspects = [h for h in survivors if state.members[h].state is MemberState.SUSPECT]
+    if suspects and state.waiting_since is None:
+        # Planned now, the epoch would list hosts that are probably gone too (their stream broke, or
+        # they went silent at the same moment): one more recovery a moment later. Their verdict is
+        # near, so wait for it, but never longer than the bound.
+        first_loss = min(state.members[h].updated_at for h in lost)
+        held = now - first_loss
+        if held < settings.suspect_hold_s:
+            return Decision(
+                Kind.HOLD,
+                f"{', '.join(lost)} lost while {', '.join(suspects)} suspect: waiting up to "
+                f"{settings.suspect_hold_s:g}s to plan them together",
+            )
 
     why_lost = "; ".join(f"{h} {state.members[h].state.value} ({state.members[h].reason})" for h in lost)
     if len(spares) >= len(lost):
@@ -178,6 +199,7 @@ def _topology(
         reason=decision.reason,
         created_at=now,
         job_id=job_id,
+        commits=state.commits,
     )
 
 
@@ -185,7 +207,7 @@ def plan_events(
     now: float, state: ClusterState, decision: Decision, settings: PlannerSettings, job_id: str = ""
 ) -> list[Event]:
     """The events that carry out ``decision``: member rank/role updates, then the topology event."""
-    if decision.kind is Kind.NONE:
+    if decision.kind in (Kind.NONE, Kind.HOLD):
         return []
     if decision.kind is Kind.WAIT:
         return [

@@ -28,6 +28,7 @@ from remesh.coordinator.errors import (
     Conflict,
     CoordinatorError,
     InvalidRequest,
+    JobFinished,
     NotFound,
     NotLeader,
     Rejected,
@@ -42,7 +43,7 @@ from remesh.coordinator.store import RedisStore
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
 
-__all__ = ["LEADER_METADATA", "RunningCoordinator", "listen_host", "serve"]
+__all__ = ["FINISHED_METADATA", "LEADER_METADATA", "RunningCoordinator", "listen_host", "serve"]
 
 log = structlog.get_logger("remesh.coordinator")
 
@@ -58,6 +59,13 @@ _STATUS: list[tuple[type[CoordinatorError], grpc.StatusCode]] = [
 ]
 # Trailing metadata of a follower's refusal: where the leader serves ("" while none is known).
 LEADER_METADATA = "remesh-leader"
+# Trailing metadata of a refusal because the job finished: its last step (an agent then exits 0).
+FINISHED_METADATA = "remesh-finished"
+_COMMANDS = {
+    "reregister": pb.COMMAND_REREGISTER,
+    "drain": pb.COMMAND_DRAIN,
+    "finished": pb.COMMAND_FINISHED,
+}
 _EVENT_ID = re.compile(r"^\d+(-\d+)?$")
 _FAULT = {
     pb.FAULT_KIND_TRAINER_EXITED: FaultKind.TRAINER_EXITED,
@@ -77,6 +85,8 @@ def status_of(exc: CoordinatorError) -> grpc.StatusCode:
 async def _abort(context: grpc.aio.ServicerContext, exc: CoordinatorError) -> None:
     if isinstance(exc, NotLeader):
         await context.abort(status_of(exc), str(exc), trailing_metadata=((LEADER_METADATA, exc.leader),))
+    if isinstance(exc, JobFinished):
+        await context.abort(status_of(exc), str(exc), trailing_metadata=((FINISHED_METADATA, str(exc.step)),))
     await context.abort(status_of(exc), str(exc))
 
 
@@ -213,9 +223,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     command, reason = next_command.result()
                     if command == "not_leader":
                         await _abort(context, self._c.not_leader(reason))
-                    code = pb.COMMAND_REREGISTER if command == "reregister" else pb.COMMAND_DRAIN
+                    code = _COMMANDS[command]
                     yield pb.HeartbeatResponse(command=code, reason=reason)
-                    if code == pb.COMMAND_REREGISTER:
+                    if code in (pb.COMMAND_REREGISTER, pb.COMMAND_FINISHED):
                         return
                     next_command = asyncio.ensure_future(stream.commands.get())
                 if reader in done:
@@ -356,6 +366,23 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             ),
         )
         return pb.ReportFaultResponse(member_dead=outcome.member_dead, reason=outcome.reason)
+
+    async def CommitCheckpoint(
+        self, request: pb.CommitCheckpointRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CommitCheckpointResponse:
+        await _answer(
+            context,
+            self._c.commit_checkpoint(
+                request.host_id, request.incarnation, request.epoch, request.step, request.tier
+            ),
+        )
+        return pb.CommitCheckpointResponse()
+
+    async def Finish(self, request: pb.FinishRequest, context: grpc.aio.ServicerContext) -> pb.FinishResponse:
+        await _answer(
+            context, self._c.finish(request.host_id, request.incarnation, request.epoch, request.step)
+        )
+        return pb.FinishResponse()
 
     async def Drain(self, request: pb.DrainRequest, context: grpc.aio.ServicerContext) -> pb.DrainResponse:
         member = await _answer(context, self._c.drain(request.host_id, request.reason))

@@ -25,7 +25,14 @@ import structlog
 
 from remesh.coordinator import membership
 from remesh.coordinator.detector import Liveness, Verdict, judge
-from remesh.coordinator.errors import Conflict, CoordinatorError, Fenced, NotLeader, StoreUnavailable
+from remesh.coordinator.errors import (
+    Conflict,
+    CoordinatorError,
+    Fenced,
+    NotLeader,
+    Rejected,
+    StoreUnavailable,
+)
 from remesh.coordinator.metrics import Metrics
 from remesh.coordinator.model import (
     ClusterState,
@@ -67,6 +74,14 @@ class AgentStream:
     host_id: str
     incarnation: int
     commands: asyncio.Queue[tuple[str, str]] = field(default_factory=asyncio.Queue)
+
+
+def _declare_all(now: float, state: ClusterState, verdicts: list[Verdict]) -> list[Event]:
+    """The events of every verdict, each checked against the state the ones before it produced."""
+    events: list[Event] = []
+    for v in verdicts:
+        events += membership.declare(now, replay(events, state), v.host_id, v.incarnation, v.state, v.reason)
+    return events
 
 
 class Coordinator:
@@ -308,6 +323,9 @@ class Coordinator:
                 self._send(member.host_id, member.incarnation, "drain", member.reason)
             if event.type in (EventType.TOPOLOGY_CHANGED, EventType.JOB_HALTED):
                 self.metrics.epochs_published.inc()
+            if event.type is EventType.JOB_FINISHED:
+                for stream in self._streams.values():
+                    stream.commands.put_nowait(("finished", event.reason))
         if any(e.type in (EventType.TOPOLOGY_CHANGED, EventType.JOB_HALTED) for e in events):
             async with self._topology_changed:
                 self._topology_changed.notify_all()
@@ -360,20 +378,22 @@ class Coordinator:
             self._grant_all(self._clock())
             self._store_log("store reachable again; every member granted a fresh deadline")
         now = self._clock()
-        for verdict in judge(now, self.state, self._liveness, self.settings.detector):
-
-            def transition(s: ClusterState, t: float, v: Verdict = verdict) -> list[Event]:
-                return membership.declare(t, s, v.host_id, v.incarnation, v.state, v.reason)
-
-            stored = await self._change(transition)
-            if verdict.state is MemberState.DEAD and any(e.type is EventType.MEMBER_DEAD for e in stored):
-                # From the first signal (the stream broke, or the last heartbeat) to the declaration.
-                self.metrics.detection.observe(verdict.silence_s)
-        if self.state.topology is None or self.state.waiting_since is not None:
-            # The planner's clock-driven decisions (waiting -> halted) need a nudge without an event.
-            decision = plan(now, self.state, self._steps, self.settings.planner)
-            if decision.kind is not Kind.NONE:
-                await self._change(lambda s, t: [])
+        verdicts = judge(now, self.state, self._liveness, self.settings.detector)
+        if verdicts:
+            # Every verdict of this tick in one commit, planned together: hosts lost together (a rack,
+            # a switch) make one new epoch, not one each.
+            stored = await self._change(lambda s, t: _declare_all(t, s, verdicts))
+            declared = {e.host_id for e in stored if e.type is EventType.MEMBER_DEAD}
+            for verdict in verdicts:
+                if verdict.state is MemberState.DEAD and verdict.host_id in declared:
+                    # From the first signal (the stream broke, or the last heartbeat) to the declaration.
+                    self.metrics.detection.observe(verdict.silence_s)
+            return
+        # The planner's clock-driven decisions (a hold for suspects running out, waiting -> halted)
+        # need a nudge without an event.
+        decision = plan(now, self.state, self._steps, self.settings.planner)
+        if decision.kind not in (Kind.NONE, Kind.HOLD):
+            await self._change(lambda s, t: [])
 
     async def _progress_loop(self) -> None:
         while True:
@@ -437,11 +457,19 @@ class Coordinator:
         seen = self._liveness.get(host_id)
         if seen is not None and seen.incarnation == incarnation:
             self._liveness[host_id] = replace(seen, stream_broken_at=None)
+        if self.state.finished:
+            stream.commands.put_nowait(("finished", self._finished_reason()))
         return stream
 
+    def _finished_reason(self) -> str:
+        return f"the job finished at step {self.state.finished_step}"
+
     def detach_stream(self, stream: AgentStream) -> None:
-        if self._streams.get(stream.host_id) is stream:
-            del self._streams[stream.host_id]
+        # Only the host's current stream breaking is a signal: an older stream of the same agent that
+        # ends after a newer one attached (a reconnect) says nothing about the host.
+        if self._streams.get(stream.host_id) is not stream:
+            return
+        del self._streams[stream.host_id]
         seen = self._liveness.get(stream.host_id)
         if seen is not None and seen.incarnation == stream.incarnation and seen.stream_broken_at is None:
             self._liveness[stream.host_id] = replace(seen, stream_broken_at=self._clock())
@@ -495,6 +523,26 @@ class Coordinator:
 
         await self._change(transition)
         return live[0]
+
+    async def commit_checkpoint(
+        self, host_id: str, incarnation: int, epoch: int, step: int, tier: str
+    ) -> None:
+        try:
+            await self._change(
+                lambda s, t: membership.commit_checkpoint(
+                    t, s, host_id, incarnation, epoch, step, tier, self._max_id
+                )
+            )
+        except Rejected as exc:
+            log.warning(
+                "checkpoint commit refused", host=host_id, epoch=epoch, step=step, tier=tier, reason=str(exc)
+            )
+            raise
+
+    async def finish(self, host_id: str, incarnation: int, epoch: int, step: int) -> None:
+        await self._change(
+            lambda s, t: membership.finish(t, s, host_id, incarnation, epoch, step, self._max_id)
+        )
 
     def member_step(self, host_id: str) -> int:
         return self._steps.get(host_id, -1)

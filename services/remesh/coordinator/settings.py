@@ -52,6 +52,12 @@ class PlannerSettings:
     # range lies below Linux's ephemeral ports (32768-60999), which outgoing connections take.
     jax_port_base: int = 28000
     jax_port_span: int = 1000
+    # Members lost while others of the topology are suspect: wait this long at most (from the first
+    # loss) for the suspects' verdicts, so a correlated failure is planned as one epoch. A suspect is
+    # judged within heartbeat_timeout_s - suspect_after_s of silence (0.3 s here) or stream_grace_s
+    # after its stream broke (0.1 s); the rest is margin for a busy coordinator. Costs nothing when
+    # nobody else is suspect.
+    suspect_hold_s: float = 0.5
 
     def jax_port(self, job_id: str, epoch: int) -> int:
         return self.jax_port_base + (zlib.crc32(job_id.encode()) + epoch) % self.jax_port_span
@@ -124,10 +130,13 @@ class Settings:
         )
         # Redis across a network: a lease that rides out a slow round trip, keepalives every second.
         ha = HaSettings(lease_ttl_s=3.0, keepalive_s=1.0)
+        # Suspect to dead takes 7 s of silence here (10 - 3); a rack failure is still one epoch.
+        planner = PlannerSettings(suspect_hold_s=8.0)
         base: dict[str, object] = {
             "listen": "0.0.0.0:50051",
             "metrics_port": 9090,
             "detector": detector,
+            "planner": planner,
             "ha": ha,
         }
         return cls(**{**base, **overrides})  # type: ignore[arg-type]

@@ -5,7 +5,8 @@ Layout (every key shares the hash tag ``{JOB}``, so a job lives in one Redis Clu
     remesh:{JOB}:members    hash    host_id -> Member JSON
     remesh:{JOB}:topology   string  Topology JSON (its epoch inside)
     remesh:{JOB}:meta       hash    rev (commits so far), waiting_since, live_epoch,
-                                    address_refused_epoch
+                                    address_refused_epoch, checkpoints (accepted checkpoint
+                                    commits, JSON), finished_step
     remesh:{JOB}:acks       hash    host_id -> epoch acknowledged (current epoch's members)
     remesh:{JOB}:events     stream  one entry per Event, field "e" = Event JSON
     remesh:{JOB}:progress   hash    host_id -> last step (flushed in batches, not an event)
@@ -182,6 +183,8 @@ class RedisStore:
             live_epoch=int(meta.get("live_epoch", 0)),
             address_refused_epoch=int(meta.get("address_refused_epoch", 0)),
             acks={h: int(e) for h, e in acks_raw.items()},
+            commits=tuple((int(s), int(e)) for s, e in json.loads(meta.get("checkpoints") or "[]")),
+            finished_step=int(meta.get("finished_step", -1)),
         )
         return state, int(meta.get("rev", 0))
 
@@ -215,6 +218,10 @@ class RedisStore:
             payload["meta"]["live_epoch"] = str(after.live_epoch)
         if after.address_refused_epoch != before.address_refused_epoch:
             payload["meta"]["address_refused_epoch"] = str(after.address_refused_epoch)
+        if after.commits != before.commits:
+            payload["meta"]["checkpoints"] = json.dumps(after.commits)
+        if after.finished_step != before.finished_step:
+            payload["meta"]["finished_step"] = str(after.finished_step)
         if payload["acks_clear"]:
             payload["acks"] = dict(after.acks)
         # cjson decodes {} and [] alike; an empty table is fine for both loops above.

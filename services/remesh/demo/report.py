@@ -197,6 +197,15 @@ def build_report(
     epochs = [e["epoch"] for e in ordered if e["type"] == "topology_changed"]
     final_step = max((int(r["step"]) for r in steps), default=0)
     lost = [f["steps_lost"] for f in recovered]
+    finished = next((e for e in ordered if e["type"] == "job_finished"), None)
+    # A clean end: nobody declared dead and no epoch once the job reached its last step.
+    after_finish = [
+        e["type"]
+        for e in ordered
+        if finished is not None
+        and e["time"] >= finished["time"]
+        and e["type"] in ("member_dead", "topology_changed", "job_halted")
+    ]
     return {
         "run": {**run, "final_step": final_step, "reached_target": final_step >= int(run["target_step"])},
         "summary": {
@@ -211,6 +220,8 @@ def build_report(
             "epochs": sorted(set(epochs)),
             "first_epoch": min(epochs, default=0),
             "last_epoch": max(epochs, default=0),
+            "finished_step": int(finished["details"]["step"]) if finished else None,
+            "events_after_finish": after_finish,
         },
         "goodput": _goodput(run, reports, steps),
         "failures": reports,

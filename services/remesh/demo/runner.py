@@ -118,6 +118,8 @@ class DemoConfig:
     port: int = 0  # the coordinator's gRPC port on 127.0.0.1; 0: any free one
     startup_timeout_s: float = 300.0
     recovery_timeout_s: float = 180.0
+    # From the last step to every agent gone: the trainers meet at a barrier, report, leave JAX.
+    finish_timeout_s: float = 90.0
 
     def validate(self) -> None:
         hosts = [f"host-{i}" for i in range(self.hosts)]
@@ -438,6 +440,8 @@ class DemoRun:
                 self.trained_from = time.time()
                 self._train()
                 self.ended_at = time.time()
+                if c.duration_s is None:
+                    self._wait_finished()
             finally:
                 events = self._all_events()
                 self._stop.set()
@@ -477,6 +481,23 @@ class DemoRun:
             self._refresh("training")
             time.sleep(0.1)
 
+    def _wait_finished(self) -> None:
+        """The last step is done: the job finishes on its own (a JOB_FINISHED event) and every agent
+        still running exits by itself, with code 0."""
+        assert self.cluster is not None
+        running = {host: proc for host, proc in self.cluster.agents.items() if proc.alive()}
+        self._wait(
+            "the job to finish and every agent to exit",
+            lambda: self._events("job_finished") and not any(p.alive() for p in running.values()),
+            self.config.finish_timeout_s,
+        )
+        self.agent_exit_codes = {host: proc.popen.returncode for host, proc in running.items()}
+        failed = {host: code for host, code in self.agent_exit_codes.items() if code != 0}
+        if failed:
+            raise DemoError(
+                f"agents exited with an error after the job finished: {failed}; logs in {self.logs}"
+            )
+
     def _all_events(self) -> list[dict[str, Any]]:
         """The whole event log, read once more at the end (the follower may lag by a few events)."""
         if self.cluster is not None and self.cluster.coordinator is not None:
@@ -502,6 +523,7 @@ class DemoRun:
             "target_step": c.steps if not c.duration_s else 0,
             "duration_s": c.duration_s,
             "checkpoint_every": c.checkpoint_every,
+            "agent_exit_codes": getattr(self, "agent_exit_codes", {}),
             "checkpoints": self._gcs_url,
             "schedule": {
                 "at_steps": list(c.schedule.at_steps),
