@@ -13,9 +13,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import select
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.extend
@@ -25,7 +26,7 @@ from jax.errors import JaxRuntimeError
 from jax.sharding import AxisType, Mesh
 
 from remesh.elastic.agent_client import Assignment
-from remesh.elastic.errors import AddressInUse, PeerFailure
+from remesh.elastic.errors import AddressInUse, PeerFailure, TopologyChanged
 
 __all__ = ["Runtime", "configure_cpu", "peer_failures"]
 
@@ -100,7 +101,16 @@ class Runtime:
         self.shutdown_timeout_s = shutdown_timeout_s
         self.assignment: Assignment | None = None
 
-    def start(self, assignment: Assignment) -> Mesh:
+    def start(self, assignment: Assignment, latest_epoch: Callable[[], int] = lambda: 0) -> Mesh:
+        """Join the epoch's runtime and return its mesh.
+
+        Every member first meets the others at a rendezvous that plain sockets hold on the epoch's
+        port (``_Rendezvous``): JAX's own join cannot be left once begun (a missing member aborts the
+        process after the timeout), while this one can. When ``latest_epoch()`` names a newer epoch
+        before all members arrived (a member of this epoch died and was replaced), it raises
+        ``TopologyChanged`` and the process moves to the next epoch as it is: no restart, and the
+        agent's warm standby is not spent.
+        """
         log.info(
             "joining the JAX runtime",
             epoch=assignment.epoch,
@@ -108,11 +118,13 @@ class Runtime:
             world_size=assignment.world_size,
             address=assignment.jax_coordinator,
         )
-        if assignment.rank != 0:
-            _wait_reachable(assignment.jax_coordinator, self.init_timeout_s)
-        elif _port_taken(assignment.jax_coordinator):
+        if assignment.rank == 0 and _port_taken(assignment.jax_coordinator):
             # JAX would crash binding it, and the others would dial whatever listens there.
             raise AddressInUse(assignment.jax_coordinator, assignment.epoch)
+        if assignment.world_size > 1:
+            _Rendezvous(assignment, latest_epoch, self.init_timeout_s).meet()
+        if assignment.rank != 0:
+            _wait_reachable(assignment.jax_coordinator, self.init_timeout_s)
         with peer_failures():
             jax.distributed.initialize(
                 coordinator_address=assignment.jax_coordinator,
@@ -196,6 +208,140 @@ class Runtime:
         jax.extend.backend.clear_backends()
         self.assignment = None
         return time.monotonic() - t0
+
+
+class _Rendezvous:
+    """Every member of an epoch meets on rank 0's port before anyone enters JAX's join.
+
+    Rank 0 listens on the epoch's port (the JAX coordination service takes it right after), each
+    other member connects and names its epoch and rank; once all have come, rank 0 closes the
+    listener and answers each "go". Everyone waits in slices of ``_POLL_S`` and gives up with
+    ``TopologyChanged`` as soon as ``latest_epoch()`` names a newer epoch: a member that will never
+    come (it died after the epoch was planned) costs the others a moment, not a process restart.
+    """
+
+    _POLL_S = 0.05
+
+    def __init__(self, assignment: Assignment, latest_epoch: Callable[[], int], timeout_s: float) -> None:
+        self.assignment = assignment
+        self.latest_epoch = latest_epoch
+        self.deadline = time.monotonic() + timeout_s
+        host, _, port = assignment.jax_coordinator.rpartition(":")
+        self.host, self.port = host.strip("[]"), int(port)
+        self.hello = f"remesh {assignment.epoch} {assignment.rank}\n".encode()
+
+    def _check(self, waiting_for: str) -> None:
+        latest = self.latest_epoch()
+        if latest > self.assignment.epoch:
+            raise TopologyChanged(self.assignment.epoch, latest)
+        if time.monotonic() > self.deadline:
+            raise PeerFailure(f"epoch {self.assignment.epoch}: {waiting_for} did not come in time")
+
+    def meet(self) -> None:
+        t0 = time.monotonic()
+        if self.assignment.rank == 0:
+            self._gather()
+        else:
+            self._report()
+        log.info("every member came", epoch=self.assignment.epoch, seconds=round(time.monotonic() - t0, 3))
+
+    def _gather(self) -> None:
+        expected = set(range(1, self.assignment.world_size))
+        arrived: dict[int, socket.socket] = {}
+        with self._listen() as listener:
+            listener.settimeout(self._POLL_S)
+            try:
+                while set(arrived) != expected:
+                    self._check(f"members {sorted(expected - set(arrived))}")
+                    for rank in _hung_up(arrived):
+                        # It came, then died (its socket closed): it is not here any more.
+                        arrived.pop(rank).close()
+                    try:
+                        conn, _ = listener.accept()
+                    except TimeoutError:
+                        continue
+                    rank = self._hello_of(conn)
+                    if rank in expected:
+                        arrived.setdefault(rank, conn)
+                    else:
+                        conn.close()  # a stray or late connection: not a member of this epoch
+            except BaseException:
+                for conn in arrived.values():
+                    conn.close()
+                raise
+        # The listener is closed: JAX's service may bind the port now. Then release everyone.
+        for conn in arrived.values():
+            with contextlib.suppress(OSError), conn:
+                conn.sendall(b"go\n")
+
+    def _listen(self) -> socket.socket:
+        """A listener on every interface, like the coordination service that takes the port next."""
+        try:
+            if socket.has_dualstack_ipv6():
+                return socket.create_server(("", self.port), family=socket.AF_INET6, dualstack_ipv6=True)
+            return socket.create_server(("", self.port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise AddressInUse(self.assignment.jax_coordinator, self.assignment.epoch) from exc
+            raise
+
+    def _hello_of(self, conn: socket.socket) -> int:
+        conn.settimeout(1.0)
+        try:
+            words = conn.recv(64).decode(errors="replace").split()
+        except OSError:
+            return -1
+        if len(words) != 3 or words[0] != "remesh" or words[1] != str(self.assignment.epoch):
+            return -1
+        return int(words[2]) if words[2].isdigit() else -1
+
+    def _report(self) -> None:
+        while True:
+            self._check("rank 0")
+            try:
+                conn = socket.create_connection((self.host, self.port), timeout=self._POLL_S)
+            except OSError:
+                time.sleep(0.01)
+                continue
+            with conn:
+                try:
+                    conn.sendall(self.hello)
+                except OSError:
+                    continue
+                if self._await_go(conn):
+                    return
+
+    def _await_go(self, conn: socket.socket) -> bool:
+        conn.settimeout(self._POLL_S)
+        while True:
+            self._check("the others")
+            try:
+                data = conn.recv(8)
+            except TimeoutError:
+                continue
+            except OSError:
+                return False
+            # "go": everyone came. Empty: rank 0 left the rendezvous (it moved on, or restarts).
+            if data.startswith(b"go"):
+                return True
+            time.sleep(self._POLL_S)
+            return False
+
+
+def _hung_up(conns: dict[int, socket.socket]) -> list[int]:
+    """The ranks whose connection closed: a member sends nothing after its hello, so a readable
+    socket means the other end went away."""
+    readable, _, _ = select.select(list(conns.values()), [], [], 0)
+    gone = []
+    for rank, conn in conns.items():
+        if conn in readable:
+            try:
+                data = conn.recv(1, socket.MSG_PEEK)
+            except OSError:
+                data = b""
+            if not data:
+                gone.append(rank)
+    return gone
 
 
 def _port_taken(address: str) -> bool:

@@ -262,7 +262,7 @@ class Session:
         phases["started_at"] = time.time()
         t = time.monotonic()
         self._blocking(assignment.epoch, self.policy.stuck_join_exit_s, "joining")
-        mesh = self.runtime.start(assignment)
+        mesh = self.runtime.start(assignment, lambda: self.agent.latest.epoch)
         self.rank = assignment.rank
         phases["reinit"] = time.monotonic() - t
         replicated = NamedSharding(mesh, P())

@@ -1,0 +1,270 @@
+"""Reliability promises end to end, with real coordinator, agent and trainer processes:
+
+- a burst of failures (hosts SIGKILLed 50 ms apart, three at once) is one recovery, one epoch;
+- a trainer's checkpoint commit goes through the agent to the coordinator, which refuses a stale
+  epoch; a host of rank 0 paused (SIGSTOP) through an epoch change never commits for its old epoch,
+  at pauses of 2, 3 and 4 heartbeat timeouts;
+- a member that joined an epoch that is doomed (one of its members died after it was planned)
+  moves on to the next epoch in the same process;
+- a job that reaches its last step ends with no member declared dead, no epoch after it, and every
+  agent exiting 0.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from remesh.coordinator.model import ClusterState, Event, EventType, apply
+from remesh.embedded import RedisServer
+from remesh.v1 import coordinator_pb2 as pb
+from tests.procs import Cluster, wait_for
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+HEARTBEAT_TIMEOUT_S = 0.6  # the coordinator's local preset
+
+
+@pytest.fixture(scope="module")
+def redis() -> Iterator[RedisServer]:
+    with RedisServer(appendonly=False) as server:
+        yield server
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, redis: RedisServer) -> Iterator[Cluster]:
+    c = Cluster(tmp_path, redis.url, f"rel-{uuid.uuid4().hex[:8]}")
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def events_of(cluster: Cluster, type_: int) -> list[pb.Event]:
+    return [e for e in cluster.events() if e.type == type_]
+
+
+def live_epoch(cluster: Cluster) -> int:
+    return max((e.epoch for e in events_of(cluster, pb.EVENT_TYPE_EPOCH_LIVE)), default=0)
+
+
+def wait_live(cluster: Cluster, after: int, timeout: float = 120) -> int:
+    return int(
+        wait_for(
+            lambda: live_epoch(cluster) > after and live_epoch(cluster), timeout, f"epoch > {after} live"
+        )
+    )
+
+
+# ---- one recovery per burst (stand-in trainers: the control plane alone) ---------------------------
+
+
+@pytest.mark.parametrize(
+    ("victims", "apart_s", "hosts"),
+    [
+        # Two lost, one spare: shrink to three, survivors first in their old order.
+        (("host-1", "host-2"), 0.05, ("host-0", "host-3", "spare-0")),
+        (("host-1", "host-2", "host-3"), 0.0, ("host-0", "spare-0")),
+    ],
+    ids=["two 50 ms apart", "three at once"],
+)
+def test_a_burst_of_failures_is_one_epoch(
+    cluster: Cluster, victims: tuple[str, ...], apart_s: float, hosts: tuple[str, ...]
+) -> None:
+    cluster.start_coordinator("--world-size", "4")
+    for i in range(4):
+        cluster.start_agent(f"host-{i}")
+    cluster.start_agent("spare-0", spare=True)
+    wait_live(cluster, 0)
+    before = cluster.topology().epoch
+    for victim in victims:
+        cluster.agents[victim].signal_group(signal.SIGKILL)
+        time.sleep(apart_s)
+    epoch = wait_live(cluster, before)
+    # Past the planner's hold and every detector verdict: nothing more comes of this burst.
+    time.sleep(1.0)
+    published = [e for e in events_of(cluster, pb.EVENT_TYPE_TOPOLOGY_CHANGED) if e.epoch > before]
+    assert [e.epoch for e in published] == [before + 1] == [epoch], [e.reason for e in published]
+    assert tuple(m.host_id for m in published[0].topology.members) == hosts
+    assert {e.host_id for e in events_of(cluster, pb.EVENT_TYPE_MEMBER_DEAD)} == set(victims)
+
+
+# ---- the arbiter of commits ------------------------------------------------------------------------
+
+COMMITTER = """
+import json, sys
+from remesh.elastic.agent_client import AgentClient
+from remesh.elastic.checkpoints import LocalCheckpoints, StaleEpoch
+from remesh.elastic.errors import EpochSuperseded
+import numpy as np
+
+agent = AgentClient.from_env()
+first = agent.wait_until(lambda a: a.rank >= 0, 60)
+epoch = first.epoch
+store = LocalCheckpoints(sys.argv[1])
+state = {"w": np.arange(4.0)}
+outcome = {}
+
+def approve(step, ep, tier):
+    try:
+        agent.commit(ep, step, tier)
+    except EpochSuperseded as exc:
+        raise StaleEpoch(str(exc)) from exc
+
+store.save(5, epoch, state, approve=approve)
+outcome["current"] = "committed"
+# Another directory, so the storage fence (raised to this epoch above) cannot answer first.
+stale_store = LocalCheckpoints(sys.argv[1] + "-stale")
+try:
+    stale_store.save(6, epoch - 1, state, approve=approve)
+    outcome["stale"] = "committed"
+except StaleEpoch as exc:
+    outcome["stale"] = str(exc)
+outcome["epoch"] = epoch
+outcome["viable"] = stale_store.latest_viable()
+outcome["trusted"] = store.latest_viable(trusted={(6, epoch - 1)})
+outcome["current_viable"] = store.latest_viable(trusted={(5, epoch)})
+open(sys.argv[2], "w").write(json.dumps(outcome))
+agent.wait_newer(epoch, 3600)
+"""
+
+
+def test_a_commit_goes_through_the_coordinator_which_refuses_a_stale_epoch(cluster: Cluster) -> None:
+    """The whole chain in real processes: the checkpoint tier asks the agent's local API, the agent
+    asks the coordinator, the coordinator records the accepted commit and refuses the stale one, and
+    no marker is written for it."""
+    ckpt, out = cluster.tmp / "ckpt", cluster.tmp / "outcome.json"
+    cluster.start_coordinator("--world-size", "1")
+    cluster.start_agent("host-0", trainer=[sys.executable, "-c", COMMITTER, str(ckpt), str(out)], env=ENV)
+    wait_for(out.exists, 90, "the committer's outcome")
+    outcome = json.loads(out.read_text())
+    assert outcome["current"] == "committed"
+    assert "refused by the coordinator" in outcome["stale"] and "stale epoch 0" in outcome["stale"]
+    stale = Path(f"{ckpt}-stale")
+    assert outcome["viable"] is None  # step 6's files were written, its marker never was
+    assert (stale / "step_0000000006" / "state").is_dir()
+    assert not (stale / "step_0000000006" / "COMMITTED").exists()
+    assert outcome["trusted"] is None  # a reader that trusts only (6, 0) restores nothing of step 5
+    assert outcome["current_viable"] == 5
+    committed = events_of(cluster, pb.EVENT_TYPE_CHECKPOINT_COMMITTED)
+    assert [(e.host_id, e.epoch, dict(e.details)) for e in committed] == [
+        ("host-0", outcome["epoch"], {"step": "5", "tier": "local"})
+    ]
+    coordinator_log = cluster.coordinator.output() if cluster.coordinator else ""
+    assert "checkpoint commit refused" in coordinator_log
+
+
+# ---- the elastic trainer: stale writers, doomed epochs, a clean end --------------------------------
+
+
+def tinylm(steps: int, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "examples.tinylm.train_elastic",
+        "--steps", str(steps), "--d-model", "32", "--layers", "1", "--seq-len", "32",
+        "--log-every", "10", *extra,
+    ]  # fmt: skip
+
+
+def start_job(cluster: Cluster, command: list[str], hosts: int = 3, spares: int = 1) -> None:
+    cluster.start_coordinator("--world-size", str(hosts))
+    for i in range(hosts):
+        cluster.start_agent(f"host-{i}", trainer=command, env=ENV)
+    for i in range(spares):
+        cluster.start_agent(f"spare-{i}", spare=True, trainer=command, env=ENV)
+
+
+def assert_finished_cleanly(cluster: Cluster, timeout: float = 180) -> list[pb.Event]:
+    """The job reached its last step: JOB_FINISHED, nothing judged or published after it, and every
+    agent still running exits 0 on its own."""
+    running = {h: p for h, p in cluster.agents.items() if p.alive()}
+    wait_for(lambda: not any(p.alive() for p in running.values()), timeout, "every agent to exit")
+    assert {h: p.popen.returncode for h, p in running.items()} == dict.fromkeys(running, 0)
+    events = cluster.events()
+    finished = [i for i, e in enumerate(events) if e.type == pb.EVENT_TYPE_JOB_FINISHED]
+    assert len(finished) == 1, cluster.log_tails()
+    after = [
+        e
+        for e in events[finished[0] :]
+        if e.type in (pb.EVENT_TYPE_MEMBER_DEAD, pb.EVENT_TYPE_TOPOLOGY_CHANGED)
+    ]
+    assert after == []
+    return events
+
+
+def assert_no_stale_commit(events: list[pb.Event], checkpoint_dir: Path) -> int:
+    """Every commit marker on storage was accepted by the coordinator, for the epoch that was current
+    when it accepted it. Returns how many markers there are."""
+    from remesh.coordinator.convert import event_from_pb
+
+    state = ClusterState()
+    accepted: set[tuple[int, int]] = set()
+    for msg in events:
+        event: Event = event_from_pb(msg)
+        if event.type is EventType.CHECKPOINT_COMMITTED:
+            assert event.epoch == state.epoch, (
+                f"commit of epoch {event.epoch} accepted in epoch {state.epoch}"
+            )
+            accepted.add((int(event.details["step"]), event.epoch))
+        state = apply(state, event)
+    markers = sorted(checkpoint_dir.glob("step_*/COMMITTED"))
+    for marker in markers:
+        body = json.loads(marker.read_text())
+        assert (body["step"], body["epoch"]) in accepted, f"{marker} was never accepted by the coordinator"
+    return len(markers)
+
+
+@pytest.mark.timeout(420)
+def test_a_paused_rank_0_never_commits_for_its_old_epoch(cluster: Cluster) -> None:
+    """SIGSTOP the host of rank 0 for 2, 3 and 4 heartbeat timeouts while it checkpoints every step;
+    each time it is declared dead and replaced, and whatever its old trainer does after SIGCONT, no
+    marker it writes counts unless the coordinator accepted it for the epoch that was current."""
+    ckpt = cluster.tmp / "ckpt"
+    start_job(
+        cluster, tinylm(400, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--step-sleep", "0.05")
+    )
+    epoch = wait_live(cluster, 0)
+    paused = []
+    for factor in (2, 3, 4):
+        rank0 = cluster.topology().members[0].host_id
+        host = cluster.agents[rank0]
+        wait_for(lambda: len(list(ckpt.glob("step_*/COMMITTED"))) > 2, 60, "checkpoints being written")
+        host.signal_group(signal.SIGSTOP)
+        time.sleep(factor * HEARTBEAT_TIMEOUT_S)
+        host.signal_group(signal.SIGCONT)
+        paused.append(rank0)
+        epoch = wait_live(cluster, epoch)
+    events = assert_finished_cleanly(cluster)
+    dead = [e.host_id for e in events if e.type == pb.EVENT_TYPE_MEMBER_DEAD]
+    assert dead == paused  # only the paused hosts, once each: no healthy host declared dead
+    assert assert_no_stale_commit(events, ckpt) > 0
+
+
+@pytest.mark.timeout(420)
+def test_a_member_that_joined_a_doomed_epoch_moves_on_in_process(cluster: Cluster) -> None:
+    """host-1 dies; the spare takes its rank in epoch 2; host-2 dies right after epoch 2 was planned.
+    The members waiting for it move to epoch 3 in the same process: no trainer restarts (exit 75),
+    epoch 2 never goes live, and the job still ends cleanly."""
+    start_job(cluster, tinylm(150, "--step-sleep", "0.05"))
+    wait_live(cluster, 0)
+    wait_for(lambda: cluster.members()["host-1"].last_step >= 20, 120, "step 20")
+    cluster.agents["host-1"].signal_group(signal.SIGKILL)
+    cluster.wait_epoch(2)
+    cluster.agents["host-2"].signal_group(signal.SIGKILL)
+    epoch = wait_live(cluster, 1)
+    assert epoch == 3
+    events = assert_finished_cleanly(cluster)
+    assert not [e for e in events if e.type == pb.EVENT_TYPE_EPOCH_LIVE and e.epoch == 2]
+    for host in ("host-0", "spare-0"):
+        log = cluster.agents[host].output()
+        # (A trainer of epoch 1 may leave with 75 when host-1's death stalls its step: not this.)
+        assert "code=75 epoch=2 " not in log, f"{host} restarted a trainer of epoch 2:\n{log[-3000:]}"
+        assert "every member came" in log
