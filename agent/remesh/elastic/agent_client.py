@@ -138,17 +138,28 @@ class AgentClient:
             return self._latest if predicate(self._latest) else None
 
     def report_progress(self, step: int, epoch: int) -> int:
-        """Tell the agent a step completed; returns the newest epoch it knows."""
-        reply = self._stub.ReportProgress(apb.ReportProgressRequest(step=step, epoch=epoch), timeout=5)
+        """Tell the agent a step completed; returns the newest epoch it knows (-1 when the agent did
+        not answer: progress is advisory, and the next step reports again)."""
+        try:
+            reply = self._stub.ReportProgress(apb.ReportProgressRequest(step=step, epoch=epoch), timeout=5)
+        except grpc.RpcError as exc:
+            log.warning("progress report not delivered", step=step, error=str(_refusal(exc, "progress")))
+            return -1
         return int(reply.current_epoch)
 
     def ack(self, epoch: int, restored_step: int, source: str, phases: Mapping[str, float]) -> bool:
-        reply = self._stub.AckEpoch(
-            apb.LocalAckRequest(
-                epoch=epoch, restored_step=restored_step, restore_source=source, phases=dict(phases)
-            ),
-            timeout=10,
-        )
+        """Acknowledge ``epoch`` to the coordinator (through the agent, which retries through a leader
+        change). Raises ``EpochSuperseded`` when the coordinator refuses (a newer epoch began) and
+        ``AgentUnreachable`` when no answer came."""
+        try:
+            reply = self._stub.AckEpoch(
+                apb.LocalAckRequest(
+                    epoch=epoch, restored_step=restored_step, restore_source=source, phases=dict(phases)
+                ),
+                timeout=15,
+            )
+        except grpc.RpcError as exc:
+            raise _refusal(exc, f"acknowledging epoch {epoch}") from exc
         return bool(reply.live)
 
     def commit(self, epoch: int, step: int, tier: str) -> None:

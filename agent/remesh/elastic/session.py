@@ -302,15 +302,24 @@ class Session:
             self.snapshots.put(step, host_leaves)
             if not acked:
                 phases["first_step"] = time.monotonic() - t
-                self.agent.ack(assignment.epoch, step - 1, source, phases)
+                self._ack(assignment, step - 1, source, phases)
                 acked = True
             self.agent.report_progress(step, assignment.epoch)
             self._maybe_checkpoint(step, assignment, host_leaves)
             yield StepResult(step, assignment.epoch, assignment.world_size, host_metrics)
         self._wait_for_save()
         if not acked:  # restored at the last step (a peer died at the end): the epoch still goes live
-            self.agent.ack(assignment.epoch, step, source, phases)
+            self._ack(assignment, step, source, phases)
         self._finish(assignment, step)
+
+    def _ack(self, assignment: Assignment, restored: int, source: str, phases: Mapping[str, float]) -> None:
+        """Acknowledge the epoch. A refusal means a newer epoch began (``EpochSuperseded``: move on);
+        no answer at all, even after the agent's own retries, asks for a fresh process rather than
+        train in an epoch that can never go live."""
+        try:
+            self.agent.ack(assignment.epoch, restored, source, phases)
+        except AgentUnreachable as exc:
+            raise RestartProcess(str(exc)) from exc
 
     def _finish(self, assignment: Assignment, step: int) -> None:
         """The job's last step is done here: once every member has done it, report the job finished
