@@ -247,9 +247,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         incarnation = self._incarnation(host, delta)
         epoch = self.state.epoch + epoch_delta
         before = self.state.epoch
-        self.change(
-            dt, lambda s, t: membership.commit_checkpoint(t, s, host, incarnation, epoch, step, tier)
-        )
+        self.change(dt, lambda s, t: membership.commit_checkpoint(t, s, host, incarnation, epoch, step, tier))
         # Accepted only for the epoch current when it arrived: a stale writer never commits.
         assert all(e == before or (s_, e) in self.committed for s_, e in self.state.commits)
         self.committed |= set(self.state.commits)
