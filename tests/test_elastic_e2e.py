@@ -3,17 +3,19 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from remesh.coordinator.settings import PlannerSettings
-from remesh.embedded import RedisServer
+from remesh.embedded import FakeGcsServer, RedisServer
 from remesh.v1 import coordinator_pb2 as pb
 from tests.procs import Cluster, wait_for
 
@@ -41,27 +43,41 @@ def run_job(
     victim: str | None,
     coordinator_args: tuple[str, ...] = (),
     job: str | None = None,
+    trainer_args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    kill_when: Callable[[Cluster], bool] | None = None,
+    before_kill: Callable[[], None] | None = None,
 ) -> tuple[Path, Cluster]:
-    """Run a 3-host tinylm job to STEPS, SIGKILLing ``victim`` once it passed step KILL_AT."""
+    """Run a 3-host tinylm job to STEPS, SIGKILLing ``victim`` once it passed step KILL_AT (or once
+    ``kill_when`` holds, right after ``before_kill``)."""
     tmp.mkdir(parents=True, exist_ok=True)
     final = tmp / "final.npz"
     cluster = Cluster(tmp, redis_url, job or new_job_id())
+    command = trainer(final, *trainer_args)
+    env = {**ENV, **(env or {})}
     try:
         cluster.start_coordinator("--world-size", "3", *coordinator_args)
         warm = () if victim else ("--no-warm-standby",)  # a run without failures needs no standby
         for h in ("host-0", "host-1", "host-2"):
-            cluster.start_agent(h, trainer=trainer(final), env=ENV, extra=warm)
+            cluster.start_agent(h, trainer=command, env=env, extra=warm)
         for i in range(spares):
-            cluster.start_agent(f"spare-{i}", spare=True, trainer=trainer(final), env=ENV, extra=warm)
+            cluster.start_agent(f"spare-{i}", spare=True, trainer=command, env=env, extra=warm)
         if victim:
 
-            def reached() -> bool:
+            def reached(cluster: Cluster) -> bool:
                 member = cluster.members().get(victim)
                 return member is not None and member.last_step >= KILL_AT
 
-            wait_for(reached, 180, f"{victim} to reach step {KILL_AT}")
+            when = kill_when or reached
+            wait_for(lambda: when(cluster), 180, f"the moment to kill {victim}")
+            if before_kill is not None:
+                before_kill()
             cluster.agents[victim].kill()
         wait_for(final.exists, 240, "the job to finish")
+    except TimeoutError as exc:
+        tails = cluster.log_tails(25)
+        cluster.close()
+        raise AssertionError(f"{exc}\n{tails}") from exc
     except BaseException:
         cluster.close()
         raise
@@ -138,20 +154,73 @@ def test_killing_the_host_of_process_0_is_recovered_and_bitwise_equal(
         cluster.close()
 
 
-def test_without_a_spare_the_job_shrinks_and_the_loss_keeps_falling(
+def checksum_rows(folder: Path) -> list[dict[str, Any]]:
+    """Every line the trainers wrote with --checksums, each with the file (one per process) it came from."""
+    rows = []
+    for path in sorted(folder.glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            rows.append({**json.loads(line), "file": path.name})
+    return rows
+
+
+def test_without_a_spare_the_job_shrinks_onto_exactly_the_state_it_left(
     tmp_path: Path, redis: RedisServer
 ) -> None:
+    """The state each member restores on the smaller mesh is, bit for bit, the state the run had
+    after the epoch's restore step; then training goes on and the loss keeps falling.
+
+    The trainers write, per step, a checksum of the state the step began from (computed inside the
+    jitted step: for an epoch's first step, the state it restored) and of the state after it.
+    """
+    checksums = tmp_path / "checksums"
     final, cluster = run_job(
-        tmp_path, redis.url, spares=0, victim="host-2", coordinator_args=("--min-world-size", "2")
+        tmp_path,
+        redis.url,
+        spares=0,
+        victim="host-2",
+        coordinator_args=("--min-world-size", "2"),
+        trainer_args=("--checksums", str(checksums)),
     )
     try:
         after = cluster.topology()
         assert after.epoch == 2 and [m.host_id for m in after.members] == ["host-0", "host-1"]
-        rows = steps_logged(cluster)
-        assert {ws for _, _, ws in rows} == {3, 2}
-        shrunk = [(s, loss) for s, loss, ws in rows if ws == 2]
+        restore = after.restore_step
+        assert restore >= KILL_AT
+        acks = [e for e in cluster.events() if e.type == pb.EVENT_TYPE_EPOCH_ACKED and e.epoch == 2]
+        assert {(e.host_id, e.details["restored_step"]) for e in acks} == {
+            ("host-0", str(restore)),
+            ("host-1", str(restore)),
+        }
+
+        rows = checksum_rows(checksums)
+        # The two checksums agree wherever a process ran two steps in a row: the device-side one and
+        # the host-side one are the same function of the state.
+        by_file: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}
+        for r in rows:
+            by_file.setdefault((str(r["file"]), r["epoch"]), {})[r["step"]] = r
+        pairs = [
+            (steps[k]["state_out"], steps[k + 1]["state_in"])
+            for steps in by_file.values()
+            for k in steps
+            if k + 1 in steps
+        ]
+        assert len(pairs) > STEPS and all(a == b for a, b in pairs)
+
+        left = {r["state_out"] for r in rows if r["epoch"] == 1 and r["step"] == restore}
+        assert len(left) == 1, f"the members disagree on the state after step {restore}: {left}"
+        for host in ("host-0", "host-1"):
+            first = min(
+                (r for r in rows if r["epoch"] == 2 and str(r["file"]).startswith(f"{host}-")),
+                key=lambda r: r["step"],
+            )
+            assert (first["step"], first["world_size"]) == (restore + 1, 2)
+            assert first["state_in"] in left, f"{host} restored another state than step {restore}'s"
+
+        logged = steps_logged(cluster)
+        assert {ws for _, _, ws in logged} == {3, 2}
+        shrunk = [(s, loss) for s, loss, ws in logged if ws == 2]
         assert shrunk and shrunk[-1][0] == STEPS
-        assert shrunk[-1][1] < rows[0][1], f"loss did not fall: {rows}"
+        assert shrunk[-1][1] < logged[0][1], f"loss did not fall: {logged}"
         assert final.exists()
     finally:
         cluster.close()
@@ -182,5 +251,125 @@ def test_a_taken_jax_port_moves_the_job_to_a_new_address_and_blames_no_host(
         # Nobody trained in the refused epoch: the run is the clean one.
         for a, b in zip(leaves(final), leaves(clean_final), strict=True):
             assert np.array_equal(a, b)
+    finally:
+        cluster.close()
+
+
+# ---- recoveries restored from the checkpoint tiers -----------------------------------------------
+# With --no-snapshots no member holds a host-memory snapshot of any step: every member of the new
+# epoch, survivors included, restores the newest committed checkpoint at or below the epoch's
+# restore step, and runs the steps after it again. Same world size (a hot spare) and the same data
+# order, so the result must be the clean run's, bit for bit.
+
+
+@pytest.fixture(scope="module")
+def gcs() -> Iterator[FakeGcsServer]:
+    with FakeGcsServer() as server:
+        yield server
+
+
+def assert_same_as_clean(final: Path, clean_final: Path) -> None:
+    """Every leaf of the final state (parameters, optimizer state, step counter) is bitwise equal."""
+    for a, b in zip(leaves(final), leaves(clean_final), strict=True):
+        assert (a.dtype, a.shape) == (b.dtype, b.shape)
+        assert a.tobytes() == b.tobytes(), "the state differs from the run without failure"
+
+
+def restored(cluster: Cluster, epoch: int) -> dict[str, tuple[int, str]]:
+    """host -> (restored step, restore source) from the acknowledgements of ``epoch``."""
+    return {
+        e.host_id: (int(e.details["restored_step"]), e.details["restore_source"])
+        for e in cluster.events()
+        if e.type == pb.EVENT_TYPE_EPOCH_ACKED and e.epoch == epoch
+    }
+
+
+def test_a_recovery_restored_from_gcs_checkpoints_is_bitwise_equal(
+    tmp_path: Path, redis: RedisServer, gcs: FakeGcsServer, clean_final: Path
+) -> None:
+    """Every member of the new epoch, the survivors too, restores the newest checkpoint the GCS
+    emulator holds at or below the restore step; the run ends on the clean run's state."""
+    bucket = f"e2e-{uuid.uuid4().hex[:8]}"
+    gcs.create_bucket(bucket)
+    final, cluster = run_job(
+        tmp_path,
+        redis.url,
+        spares=1,
+        victim="host-1",
+        trainer_args=("--no-snapshots", "--gcs", f"gs://{bucket}/job", "--checkpoint-every", "5"),
+        env=gcs.env(),
+    )
+    try:
+        after = cluster.topology()
+        assert after.epoch == 2 and [m.host_id for m in after.members] == ["host-0", "spare-0", "host-2"]
+        acks = restored(cluster, 2)
+        assert sorted(acks) == ["host-0", "host-2", "spare-0"]
+        assert len({s for s, _ in acks.values()}) == 1 and {t for _, t in acks.values()} == {"gcs"}, acks
+        step = acks["host-0"][0]
+        assert step % 5 == 0 and 0 < step <= after.restore_step, (step, after.restore_step)
+        assert_same_as_clean(final, clean_final)
+    finally:
+        cluster.close()
+
+
+def flip_bytes(path: Path) -> None:
+    data = path.read_bytes()
+    middle = len(data) // 2
+    path.write_bytes(data[:middle] + bytes(b ^ 0xFF for b in data[middle : middle + 4]) + data[middle + 4 :])
+
+
+def committed_steps(ckpt: Path) -> list[int]:
+    return sorted(int(p.parent.name.removeprefix("step_")) for p in ckpt.glob("step_*/COMMITTED"))
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one_and_stays_bitwise_equal(
+    tmp_path: Path, redis: RedisServer, clean_final: Path
+) -> None:
+    """In a running job the newest committed local checkpoint (step 10 or later) is corrupted, then a
+    host is killed: the new epoch restores the committed step before it, says so, and trains on to
+    the clean result."""
+    ckpt = tmp_path / "ckpt"  # one directory every host sees (a shared filesystem)
+    corrupted: list[tuple[int, int, str]] = []  # (newest, previous, file)
+
+    def corrupt() -> None:
+        *_, previous, newest = committed_steps(ckpt)
+        step_dir = ckpt / f"step_{newest:010d}"
+        files = json.loads((step_dir / "COMMITTED").read_text())["files"]
+        name = max(files, key=lambda rel: files[rel]["size"])
+        flip_bytes(step_dir / name)
+        corrupted.append((newest, previous, name))
+
+    final, cluster = run_job(
+        tmp_path,
+        redis.url,
+        spares=1,
+        victim="host-1",
+        trainer_args=("--no-snapshots", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5"),
+        # Killing host-1 stops every member within a step: no newer checkpoint of epoch 1 follows.
+        kill_when=lambda _: len(steps := committed_steps(ckpt)) >= 2 and steps[-1] >= 10,
+        before_kill=corrupt,
+    )
+    try:
+        (newest, previous, name), *_ = corrupted
+        after = cluster.topology()
+        assert after.epoch == 2 and [m.host_id for m in after.members] == ["host-0", "spare-0", "host-2"]
+        # The corrupt step was the one to restore: the newest epoch-1 commit at or below the target...
+        epochs = {
+            step: json.loads((ckpt / f"step_{step:010d}" / "COMMITTED").read_text())["epoch"]
+            for step in committed_steps(ckpt)
+        }
+        assert newest <= after.restore_step
+        assert not [s for s, e in epochs.items() if e == 1 and newest < s <= after.restore_step], epochs
+        acks = restored(cluster, 2)
+        assert acks == {h: (previous, "local") for h in ("host-0", "spare-0", "host-2")}, acks  # ...not it
+        # Rank 0 (host-0) chose the step, and said why.
+        fallback = [
+            line
+            for line in cluster.agents["host-0"].output().splitlines()
+            if "corrupt checkpoint: falling back to the previous one" in line
+        ]
+        assert fallback and all(f"step={newest}" in line and name in line for line in fallback), fallback
+        assert max(s for s, _, ws in steps_logged(cluster) if ws == 3) == STEPS
+        assert_same_as_clean(final, clean_final)
     finally:
         cluster.close()

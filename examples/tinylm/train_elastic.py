@@ -11,17 +11,29 @@ Each host runs one process with ``--devices`` virtual CPU devices (``REMESH_DEVI
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
 import sys
 import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import structlog
 
 from examples.tinylm import data, model
-from remesh.elastic import LocalCheckpoints, Policy, Session, StepResult, gcs_checkpoints_from_url
+from remesh.elastic import (
+    Checkpoints,
+    LocalCheckpoints,
+    Policy,
+    Session,
+    StepResult,
+    gcs_checkpoints_from_url,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,6 +62,17 @@ def main(argv: list[str] | None = None) -> int:
         help="rank 0 appends one JSON line per step here (time, step, loss, epoch): the demo's loss curve",
     )
     p.add_argument("--save-final", help="rank 0 writes the final state's leaves here (.npz)")
+    p.add_argument(
+        "--no-snapshots",
+        action="store_true",
+        help="keep no host-memory snapshots: every recovery restores from the checkpoint tiers (tests of those tiers)",
+    )
+    p.add_argument(
+        "--checksums",
+        help="every rank appends one JSON line per step here with checksums of the state the step began "
+        "from (computed on the devices: for an epoch's first step, the state it restored) and of the "
+        "state after it; tests compare what an epoch restored with what the last one left",
+    )
     p.add_argument("--collective-timeout", type=float, default=Policy().collective_timeout_s)
     args = p.parse_args(argv)
     structlog.configure(
@@ -64,26 +87,44 @@ def main(argv: list[str] | None = None) -> int:
     config = model.Config(
         seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers, d_mlp=4 * args.d_model
     )
-    stores = []
+    stores: list[Checkpoints] = []
     if args.checkpoint_dir:
         stores.append(LocalCheckpoints(args.checkpoint_dir))
     if args.gcs:
         stores.append(gcs_checkpoints_from_url(args.gcs))
+    policy = Policy(checkpoint_every=args.checkpoint_every, collective_timeout_s=args.collective_timeout)
+    if args.no_snapshots:
+        policy = dataclasses.replace(policy, snapshots_kept=0, shm_dir=None)
+    train_step = functools.partial(model.train_step, config=config)
+    if args.checksums:
+        train_step = functools.partial(_with_input_checksum, train_step)
     session = Session(
         init_state=functools.partial(model.init_state, args.seed, config),
-        train_step=functools.partial(model.train_step, config=config),
+        train_step=train_step,
         batch_for_step=lambda step: data.global_batch(step, args.batch, args.seq_len, args.seed),
         devices_per_host=args.devices,
-        policy=Policy(checkpoint_every=args.checkpoint_every, collective_timeout_s=args.collective_timeout),
+        policy=policy,
         checkpoints=stores,
     )
     t0 = time.monotonic()
     last = None
     metrics = _MetricsFile(args.metrics_dir) if args.metrics_dir else None
+    checksums = _MetricsFile(args.checksums) if args.checksums else None
     for result in session.run(args.steps):
         last = result
         if metrics is not None and session.rank == 0:
             metrics.write(result, session.stats)
+        if checksums is not None:
+            checksums.line(
+                {
+                    "rank": session.rank,
+                    "epoch": result.epoch,
+                    "world_size": result.world_size,
+                    "step": result.step,
+                    "state_in": int(result.metrics["state_in"]),
+                    "state_out": _checksum(np, session.final_leaves()),
+                }
+            )
         if result.step % args.log_every == 0 or result.step == args.steps:
             log.info(
                 "step",
@@ -118,15 +159,51 @@ class _MetricsFile:
         self._file = open(os.path.join(folder, f"{host}-{os.getpid()}.jsonl"), "a", buffering=1)  # noqa: SIM115
 
     def write(self, result: StepResult, stats: dict[str, float]) -> None:
-        line = {
-            "t": round(time.time(), 4),
-            "step": result.step,
-            "loss": round(result.metrics["loss"], 5),
-            "epoch": result.epoch,
-            "world_size": result.world_size,
-            **{k: round(v, 4) for k, v in stats.items()},
-        }
-        self._file.write(json.dumps(line) + "\n")
+        self.line(
+            {
+                "t": round(time.time(), 4),
+                "step": result.step,
+                "loss": round(result.metrics["loss"], 5),
+                "epoch": result.epoch,
+                "world_size": result.world_size,
+                **{k: round(v, 4) for k, v in stats.items()},
+            }
+        )
+
+    def line(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+
+
+def _with_input_checksum(
+    train_step: Callable[[Any, jax.Array], tuple[Any, dict[str, jax.Array]]], state: Any, batch: jax.Array
+) -> tuple[Any, dict[str, jax.Array]]:
+    """``train_step``, with a checksum of the state it was given among its metrics (``--checksums``).
+
+    Computed inside the step, on the devices: the only place the state an epoch restored can be seen
+    from outside the session. Integer arithmetic, so any reduction order gives the same value.
+    """
+    new_state, metrics = train_step(state, batch)
+    return new_state, {**metrics, "state_in": _checksum(jnp, jax.tree_util.tree_leaves(state))}
+
+
+def _checksum(xp: Any, leaves: Sequence[Any]) -> Any:
+    """A position-weighted sum of the bits of every element, mod 2**32; ``xp`` is numpy or jax.numpy.
+
+    Every weight is odd, so a change to any single element always changes it. Leaves of 4-byte types.
+    """
+    sums = []
+    for i, leaf in enumerate(leaves):
+        bits: Any = (
+            np.ascontiguousarray(leaf).view(np.uint32).reshape(-1)
+            if xp is np
+            else jax.lax.bitcast_convert_type(leaf, jnp.uint32).reshape(-1)
+        )
+        seed = xp.uint32(((2 * i + 1) * 0x85EBCA77) & 0xFFFFFFFF)
+        weights = (xp.arange(bits.size, dtype=xp.uint32) * xp.uint32(0x9E3779B1) + seed) | xp.uint32(1)
+        sums.append(xp.sum(bits * weights, dtype=xp.uint32))  # uint32 arrays wrap silently
+    if xp is np:
+        return sum(int(x) for x in sums) % 2**32
+    return functools.reduce(lambda a, b: a + b, sums, jnp.zeros((), jnp.uint32))
 
 
 if __name__ == "__main__":
