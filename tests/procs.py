@@ -1,6 +1,49 @@
-"""The tests' view of a local job: real coordinator and agent processes (see remesh.embedded.cluster)."""
+"""The tests' view of a local job: real coordinator and agent processes (see remesh.embedded.cluster),
+and the two ways a test waits: for a condition (``wait_for``), or through an explicit observation
+window in which something must keep holding (``hold``, ``assert_no_events``)."""
 
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar, cast
+
+from remesh.embedded import cluster as _cluster
 from remesh.embedded.cluster import LocalCluster as Cluster
-from remesh.embedded.cluster import Proc, wait_for
+from remesh.embedded.cluster import Proc
+from remesh.v1 import coordinator_pb2 as pb
 
-__all__ = ["Cluster", "Proc", "wait_for"]
+__all__ = ["Cluster", "Proc", "assert_no_events", "hold", "wait_for"]
+
+T = TypeVar("T")
+
+
+def wait_for(predicate: Callable[[], T | None], timeout: float, what: str, interval: float = 0.02) -> T:
+    """Poll ``predicate`` until it returns something truthy, and return that (typed: never None)."""
+    return cast(T, _cluster.wait_for(predicate, timeout, what, interval))
+
+
+def hold(seconds: float, check: Callable[[], None], interval: float = 0.05) -> int:
+    """An observation window: call ``check`` (which asserts) until ``seconds`` have passed, and once
+    more at the end, so a failure anywhere in the window is caught. Returns how many checks ran."""
+    end = time.monotonic() + seconds
+    checks = 0
+    while True:
+        check()
+        checks += 1
+        left = end - time.monotonic()
+        if left <= 0:
+            return checks
+        time.sleep(min(interval, left))
+
+
+def assert_no_events(
+    cluster: Cluster, seconds: float, check: Callable[[], None] = lambda: None
+) -> list[pb.Event]:
+    """Nothing is recorded for ``seconds``: the whole event log is the same at the end of the window as
+    at its start (``check`` runs throughout). Returns the log."""
+    before = cluster.events()
+    hold(seconds, check)
+    after = cluster.events()
+    assert after == before, f"recorded during a window in which nothing should happen: {after[len(before) :]}"
+    return after

@@ -4,20 +4,30 @@ twice: on one redis-server and on a 3-master Redis Cluster."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import re
 import signal
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
 
+from remesh.coordinator.model import ClusterState, Event, EventType, replay
+from remesh.coordinator.settings import DetectorSettings
+from remesh.coordinator.store import RedisStore
+from remesh.embedded import RedisServer
 from remesh.v1 import coordinator_pb2 as pb
-from tests.procs import Cluster, wait_for
+from tests.procs import Cluster, Proc, assert_no_events, hold, wait_for
 
 pytestmark = pytest.mark.integration
 
 ACTIVE = ["host-0", "host-1", "host-2", "host-3"]
+# The coordinator's detector timings (the local preset every test here runs with).
+DETECTOR = DetectorSettings()
 
 
 def start_job(cluster: Cluster, *coordinator_args: str, spares: int = 1) -> pb.Topology:
@@ -33,10 +43,10 @@ def start_job(cluster: Cluster, *coordinator_args: str, spares: int = 1) -> pb.T
 
 
 class Watcher:
-    """A WatchTopology stream in a thread, recording (arrival time, topology)."""
+    """A WatchTopology stream in a thread, recording every topology it receives."""
 
     def __init__(self, cluster: Cluster) -> None:
-        self.received: list[tuple[float, pb.Topology]] = []
+        self.received: list[pb.Topology] = []
         self._channel = grpc.insecure_channel(cluster.address)
         from remesh.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -47,19 +57,24 @@ class Watcher:
     def _run(self) -> None:
         try:
             for topology in self._call:
-                self.received.append((time.monotonic(), topology))
+                self.received.append(topology)
         except grpc.RpcError:
             pass
 
-    def epoch(self, epoch: int) -> tuple[float, pb.Topology] | None:
-        return next(((t, topo) for t, topo in self.received if topo.epoch == epoch), None)
+    def epoch(self, epoch: int) -> pb.Topology | None:
+        return next((topo for topo in self.received if topo.epoch == epoch), None)
 
     def close(self) -> None:
         self._call.cancel()
         self._channel.close()
 
 
-def test_sigkill_of_an_active_host_is_replaced_by_the_spare_within_a_second(any_cluster: Cluster) -> None:
+def exited(proc: Proc) -> bool:
+    return not proc.alive()
+
+
+def test_sigkill_of_an_active_host_is_replaced_by_the_spare(any_cluster: Cluster) -> None:
+    """How fast is benchmarks/detection.py's to measure; here: who replaces whom, seen by every watcher."""
     cluster = any_cluster  # one redis-server, then a Redis Cluster
     before = start_job(cluster)
     ranks = {m.host_id: m.rank for m in before.members}
@@ -68,13 +83,10 @@ def test_sigkill_of_an_active_host_is_replaced_by_the_spare_within_a_second(any_
     wait_for(lambda: all(w.epoch(1) for w in watchers), 10, "watchers to see epoch 1")
 
     victim = "host-2"
-    killed_at = time.monotonic()
     cluster.agents[victim].kill()  # SIGKILL to the host: agent and trainer
 
-    arrivals = [wait_for(lambda w=w: w.epoch(2), 10, "epoch 2 at a watcher") for w in watchers]
-    latencies = [t - killed_at for t, _ in arrivals]  # type: ignore[misc]
-    assert max(latencies) < 1.0, latencies
-    after = [topo for _, topo in arrivals]  # type: ignore[misc]
+    # (The timeout only guards against a hang.)
+    after = [wait_for(functools.partial(w.epoch, 2), 10, "epoch 2 at a watcher") for w in watchers]
     assert all(t == after[0] for t in after), "every watcher receives the same topology"
     new_ranks = {m.host_id: m.rank for m in after[0].members}
     assert new_ranks["spare-0"] == ranks[victim]
@@ -103,10 +115,7 @@ def test_silent_host_is_declared_dead_and_rejoins_as_a_spare(cluster: Cluster) -
     victim = "host-1"
     inc_before = cluster.members()[victim].incarnation
     cluster.agents[victim].signal_group(signal.SIGSTOP)
-    stopped_at = time.monotonic()
-    topology = cluster.wait_epoch(2, timeout=10)
-    took = time.monotonic() - stopped_at
-    assert took < 3.0, took
+    topology = cluster.wait_epoch(2, timeout=10)  # the timeout only guards against a hang
     assert victim not in [m.host_id for m in topology.members]
     dead = [e for e in cluster.events() if e.type == pb.EVENT_TYPE_MEMBER_DEAD and e.host_id == victim]
     assert dead and "no heartbeat" in dead[0].reason
@@ -119,7 +128,7 @@ def test_silent_host_is_declared_dead_and_rejoins_as_a_spare(cluster: Cluster) -
         if line.startswith("remesh_detection_latency_seconds_")
     }
     assert observed["remesh_detection_latency_seconds_count"] == 1
-    assert observed["remesh_detection_latency_seconds_sum"] >= 0.6
+    assert observed["remesh_detection_latency_seconds_sum"] >= DETECTOR.heartbeat_timeout_s
     events_before = len(cluster.events())
 
     cluster.agents[victim].signal_group(signal.SIGCONT)
@@ -129,21 +138,33 @@ def test_silent_host_is_declared_dead_and_rejoins_as_a_spare(cluster: Cluster) -
         return m if m.incarnation > inc_before and m.state == pb.MEMBER_STATE_ALIVE else None
 
     member = wait_for(rejoined, 15, "the stopped host to rejoin")
-    assert member.role == pb.ROLE_SPARE and member.rank == -1  # type: ignore[union-attr]
+    assert member.role == pb.ROLE_SPARE and member.rank == -1
     assert cluster.topology().epoch == 2, "its stale messages changed no topology"
     later = cluster.events()[events_before:]
     # Only its new incarnation shows up; nothing was recorded for the old one.
     assert all(e.incarnation != inc_before for e in later if e.host_id == victim), later
 
 
+def unreachable_count(cluster: Cluster, host: str) -> int:
+    return cluster.agents[host].output().count("coordinator unreachable; retrying")
+
+
 def test_coordinator_restart_on_the_same_redis_evicts_nobody_and_keeps_the_epoch(cluster: Cluster) -> None:
     start_job(cluster)
     before = cluster.members()
+    events_before = cluster.events()
+    retries = {h: unreachable_count(cluster, h) for h in before}
     port = cluster.port
     cluster.coordinator.kill()  # type: ignore[union-attr]
-    time.sleep(1.0)  # agents notice and retry with backoff while nothing serves the port
+    # Every agent notices (its stream broke) and retries with backoff while nothing serves the port.
+    wait_for(
+        lambda: all(unreachable_count(cluster, h) > retries[h] for h in before),
+        10,
+        "every agent to find the coordinator gone",
+    )
     cluster.reset_channel()
     cluster.start_coordinator("--world-size", "4", port=port)
+    serving_at = time.monotonic()  # it granted every member a fresh deadline just before serving
 
     def all_back() -> bool:
         members = cluster.members()
@@ -153,53 +174,140 @@ def test_coordinator_restart_on_the_same_redis_evicts_nobody_and_keeps_the_epoch
         )
 
     wait_for(all_back, 20, "every agent to re-register with the new coordinator")
-    time.sleep(1.0)  # a full heartbeat timeout later, still nobody is judged dead
-    assert cluster.topology().epoch == 1
-    events = cluster.events()
-    assert not [e for e in events if e.type == pb.EVENT_TYPE_MEMBER_DEAD]
-    assert not [e for e in events if e.type == pb.EVENT_TYPE_TOPOLOGY_CHANGED and e.epoch > 1]
+
+    def nobody_judged() -> None:
+        assert cluster.topology().epoch == 1
+        assert all(m.state == pb.MEMBER_STATE_ALIVE for m in cluster.members().values())
+
+    # Observation window: judging starts when the grace runs out; a heartbeat timeout after that,
+    # anyone it would evict has been evicted. Nothing at all is recorded in it.
+    window = serving_at + DETECTOR.failover_grace_s + DETECTOR.heartbeat_timeout_s + 0.5 - time.monotonic()
+    events = assert_no_events(cluster, window, nobody_judged)
+    assert events[: len(events_before)] == events_before, "the event log before the restart is unchanged"
+    # All that was recorded since the restart: each host came back as its next incarnation.
+    later = events[len(events_before) :]
+    for host, member in before.items():
+        assert [(pb.EventType.Name(e.type), e.incarnation) for e in later if e.host_id == host] == [
+            ("EVENT_TYPE_MEMBER_REJOINED", member.incarnation + 1),
+            ("EVENT_TYPE_MEMBER_ALIVE", member.incarnation + 1),
+        ], later
+    assert len(later) == 2 * len(before), later
     members = cluster.members()
     assert {h: m.rank for h, m in members.items()} == {h: m.rank for h, m in before.items()}
 
 
-def test_redis_outage_answers_unavailable_evicts_nobody_and_carries_on(
-    tmp_path, private_redis, job_id
-) -> None:  # type: ignore[no-untyped-def]
+def read_store(url: str, job: str) -> tuple[list[Event], ClusterState]:
+    """The whole event log as the Redis stream holds it, and the stored state, read consistently
+    (the log read again after the state is unchanged: no commit fell in between)."""
+
+    async def read() -> tuple[list[Event], ClusterState]:
+        store = RedisStore(url, job)
+        try:
+            for _ in range(50):
+                events = await store.read_events()
+                state, _ = await store.load()
+                if await store.read_events() == events:
+                    return events, state
+                await asyncio.sleep(0.05)
+            raise AssertionError("the event log kept changing under the reader")
+        finally:
+            await store.close()
+
+    return asyncio.run(read())
+
+
+STORE_DOWN = "store unavailable; nobody is judged until it is back"
+STORE_BACK = "store reachable again; every member granted a fresh deadline"
+
+
+def test_a_redis_outage_during_a_failure_evicts_nobody_healthy_and_loses_nothing(
+    tmp_path: Path, private_redis: RedisServer, job_id: str
+) -> None:
+    """Redis goes down, then a host dies: the detector's write hits the dead store. Nobody is judged
+    while it is down, every member gets a fresh deadline when it is back, and only then is the dead
+    host declared dead and replaced; the event log written before the outage is intact."""
     cluster = Cluster(tmp_path, private_redis.url, job_id)
     try:
         start_job(cluster)
+        coordinator = cluster.coordinator
+        assert coordinator is not None
+        members_before = cluster.members()
+        events_before, state_before = read_store(private_redis.url, job_id)
+        assert replay(events_before) == state_before
+
         private_redis.stop()
+        down_at = time.monotonic()
         with pytest.raises(grpc.RpcError) as refused:
             cluster.stub().Register(pb.RegisterRequest(host_id="late-host", device_count=2), timeout=5)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "Redis" in refused.value.details()
+        assert "Redis" in (refused.value.details() or "")
         with pytest.raises(grpc.RpcError) as replay_refused:
             cluster.events()
         assert replay_refused.value.code() == grpc.StatusCode.UNAVAILABLE
-        time.sleep(1.5)  # more than the heartbeat timeout with the store down
-        private_redis.start()
 
-        def serving() -> bool:
+        # A host dies while the store is down: the detector must write, and its write fails.
+        cluster.agents["host-3"].kill()
+        wait_for(lambda: STORE_DOWN in coordinator.output(), 10, "the detector to hit the dead store")
+
+        def nobody_judged() -> None:
+            # Served from the coordinator's memory: no verdict was applied without a commit.
+            assert cluster.topology().epoch == 1
+            members = cluster.members()
+            assert {h: (m.state, m.incarnation) for h, m in members.items()} == {
+                h: (pb.MEMBER_STATE_ALIVE, m.incarnation) for h, m in members_before.items()
+            }
+
+        # Observation window with the store down: several heartbeat timeouts.
+        hold(3 * DETECTOR.heartbeat_timeout_s, nobody_judged)
+        back_at = time.time()  # (before it starts: the coordinator cannot find it back any earlier)
+        private_redis.start()  # same port and directory: it replays its AOF
+        outage_s = time.monotonic() - down_at
+        assert outage_s > 3 * DETECTOR.heartbeat_timeout_s
+        wait_for(lambda: STORE_BACK in coordinator.output(), 10, "the coordinator to find the store back")
+        log = coordinator.output()
+        assert log.index(STORE_DOWN) < log.index(STORE_BACK)
+
+        # Only now is host-3 judged, on the deadline granted when the store came back, and replaced.
+        topology = cluster.wait_epoch(2, timeout=DETECTOR.failover_grace_s + 10)
+        ranks = {m.host_id: m.rank for m in topology.members}
+        assert ranks == {"host-0": 0, "host-1": 1, "host-2": 2, "spare-0": 3}, ranks
+
+        def epoch_2_live() -> bool:
             try:
-                cluster.stub().Register(
-                    pb.RegisterRequest(host_id="late-host", role=pb.ROLE_SPARE), timeout=5
-                )
-                return True
-            except grpc.RpcError:
+                return any(e.type == pb.EVENT_TYPE_EPOCH_LIVE and e.epoch == 2 for e in cluster.events())
+            except grpc.RpcError as exc:
+                # A read may still meet a pooled Redis connection that the restart closed: the
+                # coordinator answers UNAVAILABLE, which tells the caller to retry.
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
                 return False
 
-        wait_for(serving, 15, "the coordinator to write again")
-        time.sleep(1.0)
-        assert cluster.topology().epoch == 1
-        events = cluster.events()
-        # (late-host registered by hand and never heartbeats: it alone is declared dead, after the outage.)
-        assert not [e for e in events if e.type == pb.EVENT_TYPE_MEMBER_DEAD and e.host_id != "late-host"]
-        # Nothing written before the outage was lost (AOF) and the new member was recorded after it.
-        assert next(e for e in events if e.type == pb.EVENT_TYPE_TOPOLOGY_CHANGED).epoch == 1
-        assert any(e.type == pb.EVENT_TYPE_MEMBER_JOINED and e.host_id == "late-host" for e in events)
-        # It carries on: a host killed now is still replaced.
-        cluster.agents["host-0"].kill()
-        assert "spare-0" in [m.host_id for m in cluster.wait_epoch(2, timeout=10).members]
+        wait_for(epoch_2_live, 30, "epoch 2 live")
+
+        events, state = read_store(private_redis.url, job_id)
+        assert events[: len(events_before)] == events_before, "nothing written before the outage was lost"
+        assert replay(events) == state, "the stored state is what the event log replays to"
+        later = events[len(events_before) :]
+        dead = [e for e in later if e.type is EventType.MEMBER_DEAD]
+        assert [e.host_id for e in dead] == ["host-3"], "no healthy host was declared dead"
+        assert "no heartbeat" in dead[0].reason, dead[0].reason
+        assert dead[0].time >= back_at + DETECTOR.failover_grace_s, "judged before its fresh deadline ran out"
+        # host-3 declared dead, the spare given its rank, every member of epoch 2 running it: nothing else.
+        assert [(e.type, e.host_id) for e in later[:4]] == [
+            (EventType.MEMBER_DEAD, "host-3"),
+            (EventType.MEMBER_ASSIGNED, "host-3"),
+            (EventType.MEMBER_ASSIGNED, "spare-0"),
+            (EventType.TOPOLOGY_CHANGED, ""),
+        ], later
+        assert later[3].epoch == 2 and "hot spare spare-0 takes rank 3 of host-3" in later[3].reason
+        acks = later[4:-1]
+        assert {e.type for e in acks} == {EventType.EPOCH_ACKED}, later
+        assert sorted(e.host_id for e in acks) == ["host-0", "host-1", "host-2", "spare-0"]
+        assert all(e.epoch == 2 for e in acks)
+        assert (later[-1].type, later[-1].epoch) == (EventType.EPOCH_LIVE, 2)
+        # The healthy hosts never re-registered: the same incarnations as before the outage.
+        members = cluster.members()
+        assert all(members[h].incarnation == members_before[h].incarnation for h in ACTIVE[:3])
     finally:
         cluster.close()
 
@@ -216,13 +324,13 @@ def test_without_a_spare_the_job_shrinks_then_waits_and_halts_below_the_minimum(
     waiting = wait_for(
         lambda: [e for e in cluster.events() if e.type == pb.EVENT_TYPE_JOB_WAITING], 10, "the job to wait"
     )
-    assert "minimum is 3" in waiting[0].reason  # type: ignore[index]
+    assert "minimum is 3" in waiting[0].reason
     halted = cluster.wait_epoch(3, timeout=10)
     assert halted.halted and not halted.members
     assert "halted" in halted.reason and "minimum is 3" in halted.reason
     # Every remaining agent stops its trainer and exits with the "job halted" code.
     for h in ("host-0", "host-2"):
-        wait_for(lambda h=h: not cluster.agents[h].alive(), 15, f"agent {h} to exit")
+        wait_for(functools.partial(exited, cluster.agents[h]), 15, f"agent {h} to exit")
         assert cluster.agents[h].popen.returncode == 3
 
 
@@ -238,14 +346,13 @@ def test_a_trainer_that_crashes_gets_its_host_replaced_and_the_host_rejoins_as_a
     assert "trainer_exited: exit code 1" in topology.reason
     fault = next(e for e in cluster.events() if e.type == pb.EVENT_TYPE_FAULT_REPORTED)
     assert fault.host_id == "host-1" and fault.details["exit_code"] == "1" and fault.details["epoch"] == "1"
-    member = wait_for(
-        lambda: (
-            (m := cluster.members()["host-1"]).state == pb.MEMBER_STATE_ALIVE and m.incarnation == 2 and m
-        ),
-        15,
-        "host-1 to rejoin as a spare",
-    )
-    assert member.role == pb.ROLE_SPARE  # type: ignore[union-attr]
+
+    def rejoined() -> pb.Member | None:
+        m = cluster.members()["host-1"]
+        return m if m.state == pb.MEMBER_STATE_ALIVE and m.incarnation == 2 else None
+
+    member = wait_for(rejoined, 15, "host-1 to rejoin as a spare")
+    assert member.role == pb.ROLE_SPARE
     assert cluster.agents["host-1"].alive(), "the agent outlives its trainer"
 
 
@@ -277,18 +384,30 @@ def test_drain_replaces_the_host_and_its_agent_leaves(any_cluster: Cluster) -> N
 
 
 def test_a_spare_waiting_in_standby_is_not_taken_for_a_hung_trainer(cluster: Cluster) -> None:
+    hang_timeout_s = 0.5
     cluster.start_coordinator("--world-size", "1")
     cluster.start_agent("host-0")
-    cluster.start_agent("spare-0", spare=True, extra=["--hang-timeout", "0.5"])
+    cluster.start_agent("spare-0", spare=True, extra=["--hang-timeout", str(hang_timeout_s)])
     cluster.wait_epoch(1)
+    wait_for(lambda: any(e.type == pb.EVENT_TYPE_EPOCH_LIVE for e in cluster.events()), 30, "epoch 1 live")
     wait_for(
         lambda: cluster.members().get("spare-0", pb.Member()).state == pb.MEMBER_STATE_ALIVE,
         15,
         "spare alive",
     )
-    time.sleep(2.0)  # four hang timeouts of a spare whose trainer never steps
-    assert cluster.members()["spare-0"].state == pb.MEMBER_STATE_ALIVE
-    assert not [e for e in cluster.events() if e.type == pb.EVENT_TYPE_FAULT_REPORTED]
+    # Its standby trainer runs (and never steps).
+    wait_for(
+        lambda: re.search(r"\] trainer started", cluster.agents["spare-0"].output()),
+        15,
+        "the spare's trainer",
+    )
+
+    def spare_alive() -> None:
+        assert cluster.members()["spare-0"].state == pb.MEMBER_STATE_ALIVE
+
+    # Observation window of four hang timeouts: nothing at all is recorded (no fault, no verdict).
+    events = assert_no_events(cluster, 4 * hang_timeout_s, spare_alive)
+    assert not [e for e in events if e.type == pb.EVENT_TYPE_FAULT_REPORTED]
     # Once it holds a rank, its trainer is watched: the hang clock starts then.
     cluster.agents["host-0"].kill()
     assert [m.host_id for m in cluster.wait_epoch(2, timeout=10).members] == ["spare-0"]
@@ -313,7 +432,7 @@ def test_a_relaunched_host_takes_no_rank_in_the_epoch_that_still_lists_it(cluste
         30,
         "epoch 2",
     )
-    assert live[0].epoch == 2  # type: ignore[index]
+    assert live[0].epoch == 2
     events = cluster.events()
     relaunched = [e for e in events if e.incarnation >= 2]
     # No new process acknowledged epoch 1 or failed for having run it.

@@ -12,7 +12,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import redis
@@ -20,6 +20,7 @@ from PIL import Image
 
 from remesh.coordinator.model import Event, EventType
 from remesh.embedded import RedisServer
+from tests.procs import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -76,7 +77,8 @@ def assert_nothing_left(mark: str) -> None:
 
 def stored_events(url: str, job: str) -> list[Event]:
     client = redis.Redis.from_url(url, decode_responses=True)
-    return [Event.from_json(f["e"], i) for i, f in client.xrange(f"remesh:{{{job}}}:events")]
+    entries = cast(list[tuple[str, dict[str, str]]], client.xrange(f"remesh:{{{job}}}:events"))
+    return [Event.from_json(f["e"], i) for i, f in entries]
 
 
 def check_report_against_log(report: dict[str, Any], events: list[Event]) -> None:
@@ -206,26 +208,74 @@ def test_a_taken_port_is_refused_and_the_services_started_are_stopped(tmp_path: 
     assert_nothing_left(mark)
 
 
+def marked_trainers(mark: str) -> dict[int, dict[str, str]]:
+    """The environment of each live trainer process (the demo's trainer command) carrying ``mark``."""
+    found = {}
+    for pid in marked_processes(mark):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        # python -m examples.tinylm.train_elastic ... (an agent's command line only ends with it).
+        if cmdline[1:3] == [b"-m", b"examples.tinylm.train_elastic"]:
+            found[pid] = dict(v.decode(errors="replace").partition("=")[::2] for v in environ if b"=" in v)
+    return found
+
+
+def default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def shm_snapshots(job: str) -> list[Path]:
+    """What this job's trainers keep in host memory: /dev/shm/remesh-{job}-{host} and its snapshots."""
+    return sorted(Path("/dev/shm").glob(f"remesh-{job}-*"))
+
+
+@pytest.mark.timeout(300)
 def test_ctrl_c_stops_every_process_the_demo_started(tmp_path: Path) -> None:
     mark = uuid.uuid4().hex
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "remesh.cli", "demo", "--out", str(tmp_path), "--hosts", "2", *SMALL],
-        env={**os.environ, "REMESH_TEST_MARK": mark},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    # Its output goes to a file: a pipe nobody reads while the job starts could fill up and block it.
+    output = tmp_path / "demo-output.txt"
+    command = [
+        sys.executable, "-m", "remesh.cli", "demo", "--out", str(tmp_path / "out"), "--hosts", "2", *SMALL,
+    ]  # fmt: skip
+    with output.open("w") as sink:
+        proc = subprocess.Popen(
+            command,
+            env={**os.environ, "REMESH_TEST_MARK": mark},
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            # SIGINT as a terminal's Ctrl-C finds it: a runner that started pytest in the background
+            # (SIGINT ignored, and inherited) would otherwise make the demo deaf to it.
+            preexec_fn=default_sigint,
+        )
+    job = ""
     try:
-        # Redis, the GCS emulator, the coordinator, 3 agents and their trainers: the job is up.
-        deadline = time.monotonic() + 60
-        while len(marked_processes(mark)) <= 5 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert len(marked_processes(mark)) > 5
+
+        def training() -> str:
+            """The job's id once both ranked hosts' trainers run and have written a host-memory
+            snapshot (they train); "" before."""
+            jobs = {env.get("REMESH_JOB", "") for env in marked_trainers(mark).values()}
+            if len(jobs) != 1:
+                return ""
+            (job,) = jobs
+            hosts = {
+                p.name.removeprefix(f"remesh-{job}-") for p in shm_snapshots(job) if any(p.glob("step_*.npz"))
+            }
+            return job if {"host-0", "host-1"} <= hosts else ""
+
+        job = str(
+            wait_for(training, 180, "the demo's trainers to train (snapshots in /dev/shm)", interval=0.2)
+        )
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
+        proc.wait(60)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130, out
+            proc.wait(10)
+    out = output.read_text(errors="replace")
+    assert proc.returncode == 130, out[-3000:]
     assert "interrupted" in out
     assert_nothing_left(mark)
+    assert shm_snapshots(job) == [], "host-memory snapshots left in /dev/shm"

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -24,22 +25,31 @@ from structlog.testing import capture_logs
 from remesh.coordinator.errors import NotLeader
 from remesh.coordinator.model import Role
 from remesh.coordinator.service import Coordinator
-from remesh.coordinator.settings import HaSettings, Settings
+from remesh.coordinator.settings import DetectorSettings, HaSettings, Settings
 from remesh.coordinator.store import RedisStore
 from remesh.embedded import RedisServer
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
-from tests.procs import Cluster, Proc, wait_for
+from tests.procs import Cluster, Proc, assert_no_events, wait_for
+from tests.sockets import unread_bytes_from_me
 
 pytestmark = pytest.mark.integration
 
 ACTIVE = ["host-0", "host-1"]
 # Stand-in trainers need no warm standby here: fewer processes on a 2-core machine.
 AGENT_ARGS = ["--no-warm-standby"]
+# The coordinator's detector timings (the local preset every replica here runs with).
+DETECTOR = DetectorSettings()
 
 
 def stub(address: str) -> pb_grpc.CoordinatorStub:
     return pb_grpc.CoordinatorStub(grpc.insecure_channel(address))
+
+
+def trailing(exc: grpc.RpcError) -> dict[str, str]:
+    """A refusal's trailing metadata (where a follower names the leader)."""
+    pairs: Any = exc.trailing_metadata() or ()  # (key, value) tuples at run time, whatever the stubs say
+    return {str(k): str(v) for k, v in pairs}
 
 
 def probe(address: str) -> str:
@@ -49,7 +59,7 @@ def probe(address: str) -> str:
     except grpc.RpcError as exc:
         if exc.code() == grpc.StatusCode.NOT_FOUND:
             return "leader"  # it handled the write (and found no such host)
-        metadata = dict(exc.trailing_metadata() or ())
+        metadata = trailing(exc)
         if exc.code() == grpc.StatusCode.UNAVAILABLE and "remesh-leader" in metadata:
             return f"follower:{metadata['remesh-leader']}"
     return "down"
@@ -73,7 +83,7 @@ class Replicas:
         cluster.addresses = list(self.procs)
 
     def leader(self, timeout: float = 10) -> str:
-        return wait_for(lambda: leader_among(self.live()), timeout, "a leader")  # type: ignore[return-value]
+        return wait_for(lambda: leader_among(self.live()), timeout, "a leader")
 
     def live(self) -> list[str]:
         return [a for a, p in self.procs.items() if p.alive()]
@@ -114,9 +124,10 @@ def epochs_strictly_increase(events: list[pb.Event]) -> bool:
     return all(a < b for a, b in itertools.pairwise(epochs))
 
 
-def test_followers_serve_reads_then_sigkill_of_the_leader_a_follower_leads_within_2s_evicting_nobody(
+def test_followers_serve_reads_then_sigkill_of_the_leader_a_follower_leads_evicting_nobody(
     cluster: Cluster,
 ) -> None:
+    """How fast a follower takes over is benchmarks' to measure; here: that one does, and whom it evicts."""
     r = start_ha_job(cluster)
     old = r.leader()
     before = cluster.members()
@@ -129,25 +140,38 @@ def test_followers_serve_reads_then_sigkill_of_the_leader_a_follower_leads_withi
         with pytest.raises(grpc.RpcError) as refused:
             stub(follower).Register(pb.RegisterRequest(host_id="late-host", device_count=1), timeout=5)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert dict(refused.value.trailing_metadata())["remesh-leader"] == old
-        assert f"the leader is at {old}" in refused.value.details()
+        assert trailing(refused.value)["remesh-leader"] == old
+        assert f"the leader is at {old}" in (refused.value.details() or "")
     assert "late-host" not in cluster.members(), "a refused write changes nothing"
     for host in cluster.agents:
         log = cluster.agents[host].output()
         assert "coordinator is a follower" in log and "following=True" in log, log[-2000:]
+    events_before = cluster.events()
 
     r.procs[old].kill()  # SIGKILL
-    killed_at = time.monotonic()
-    new = r.leader(timeout=5)
-    took = time.monotonic() - killed_at
-    assert new != old and took < 2.5, took
+    new = r.leader(timeout=10)  # the timeout only guards against a hang
+    led_at = time.monotonic()  # it took the lease, and granted every member a fresh deadline, before this
+    assert new != old
     r.use(new)
     wait_for(lambda: all_reregistered(cluster, before), 10, "every agent to register with the new leader")
-    # Past the grace the new leader granted (3 s) plus a heartbeat timeout: still nobody judged.
-    time.sleep(max(0.0, killed_at + 4.5 - time.monotonic()))
-    events = cluster.events()
-    assert not [e for e in events if e.type == pb.EVENT_TYPE_MEMBER_DEAD]
-    assert cluster.topology().epoch == 1
+
+    def nobody_judged() -> None:
+        assert cluster.topology().epoch == 1
+        assert all(m.state == pb.MEMBER_STATE_ALIVE for m in cluster.members().values())
+
+    # Observation window: past the grace the new leader granted plus a heartbeat timeout, nothing at
+    # all is recorded (anyone it would wrongly evict has been evicted by then).
+    window = led_at + DETECTOR.failover_grace_s + DETECTOR.heartbeat_timeout_s + 0.5 - time.monotonic()
+    events = assert_no_events(cluster, window, nobody_judged)
+    assert events[: len(events_before)] == events_before, "the event log before the failover is unchanged"
+    # All that was recorded since: each host came back to the new leader as its next incarnation.
+    later = events[len(events_before) :]
+    for host, member in before.items():
+        assert [(pb.EventType.Name(e.type), e.incarnation) for e in later if e.host_id == host] == [
+            ("EVENT_TYPE_MEMBER_REJOINED", member.incarnation + 1),
+            ("EVENT_TYPE_MEMBER_ALIVE", member.incarnation + 1),
+        ], later
+    assert len(later) == 2 * len(before), later
     assert "role=leader" in r.procs[new].output()
 
     # The new leader recovers a host failure as usual: the spare takes its rank in epoch 2, and a
@@ -166,9 +190,16 @@ def test_split_brain_a_stopped_leader_is_fenced_and_steps_down(cluster: Cluster)
     r = start_ha_job(cluster)
     old = r.leader()
     before = cluster.members()
+    # A connection to the leader, set up now (HTTP/2 handshake done): a request sent on it while the
+    # leader is stopped goes straight into its socket. (A new connection would wait for the server's
+    # SETTINGS frame before sending the request, i.e. until it wakes.)
+    old_port = int(old.rsplit(":", 1)[1])
+    old_channel = grpc.insecure_channel(old)
+    old_stub = pb_grpc.CoordinatorStub(old_channel)
+    old_stub.GetTopology(pb.GetTopologyRequest(), timeout=5)
     r.procs[old].signal_group(signal.SIGSTOP)
     new = wait_for(lambda: leader_among([a for a in r.procs if a != old]), 5, "a follower to lead")
-    r.use(new)  # type: ignore[arg-type]
+    r.use(new)
     # Agents notice the silent leader (no keepalive) and move to the new one before its grace ends.
     wait_for(lambda: all_reregistered(cluster, before), 10, "every agent to register with the new leader")
 
@@ -177,28 +208,44 @@ def test_split_brain_a_stopped_leader_is_fenced_and_steps_down(cluster: Cluster)
 
     def drain() -> None:
         try:
-            answer.append(stub(old).Drain(pb.DrainRequest(host_id="host-0", reason="split"), timeout=15))
+            answer.append(old_stub.Drain(pb.DrainRequest(host_id="host-0", reason="split"), timeout=15))
         except grpc.RpcError as exc:
             answer.append(exc)
 
+    unread = unread_bytes_from_me(old_port)
     sender = threading.Thread(target=drain)
     sender.start()
-    time.sleep(0.5)
+    wait_for(
+        lambda: unread_bytes_from_me(old_port) > unread,
+        5,
+        "the drain request to sit in the stopped leader's socket",
+    )
     r.procs[old].signal_group(signal.SIGCONT)
     sender.join(20)
+    old_channel.close()
     assert isinstance(answer[0], grpc.RpcError), answer
     assert answer[0].code() == grpc.StatusCode.UNAVAILABLE
-    assert dict(answer[0].trailing_metadata())["remesh-leader"] in ("", new)
+    assert trailing(answer[0])["remesh-leader"] in ("", new)
 
     wait_for(lambda: probe(old) == f"follower:{new}", 5, "the old leader to follow the new one")
     log = r.procs[old].output()
     assert "role=follower" in log
-    # Its wake-up writes were refused by Redis (fencing token), or its renewal found the lease gone.
-    assert "write refused by the store" in log or "lease lost" in log, log[-3000:]
-    time.sleep(1.0)
-    members = cluster.members()
-    assert members["host-0"].state == pb.MEMBER_STATE_ALIVE, "the deposed leader's drain was not applied"
-    assert not [e for e in cluster.events() if e.type == pb.EVENT_TYPE_MEMBER_DEAD]
+    # It stepped down on waking: a write refused by Redis (fencing token), a renewal that found the
+    # lease held by another, or a renewal that failed with the lease's TTL long past.
+    assert any(
+        why in log for why in ("write refused by the store", "lease lost", "could not renew the lease")
+    ), log[-3000:]
+
+    def drain_not_applied() -> None:
+        assert cluster.members()["host-0"].state == pb.MEMBER_STATE_ALIVE, (
+            "the deposed leader's drain was applied"
+        )
+
+    # Observation window of a heartbeat timeout and more after the deposed leader woke: nothing at all
+    # is recorded (no drain, no verdict).
+    events = assert_no_events(cluster, 2 * DETECTOR.heartbeat_timeout_s, drain_not_applied)
+    assert not [e for e in events if e.type == pb.EVENT_TYPE_MEMBER_DEAD]
+    assert not [e for e in events if e.type == pb.EVENT_TYPE_MEMBER_DRAINING]
     assert cluster.topology().epoch == 1
     cluster.agents["host-0"].kill()
     assert cluster.wait_epoch(2, timeout=10).epoch == 2
@@ -218,8 +265,8 @@ def test_replica_bad_input_unknown_leader_and_redis_down(tmp_path: Path, job_id:
             with pytest.raises(grpc.RpcError) as refused:
                 cluster.stub().Register(pb.RegisterRequest(host_id="h", device_count=1), timeout=5)
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert dict(refused.value.trailing_metadata())["remesh-leader"] == ""
-            assert "no leader is known yet" in refused.value.details()
+            assert trailing(refused.value)["remesh-leader"] == ""
+            assert "no leader is known yet" in (refused.value.details() or "")
             # Its reads still work.
             assert cluster.topology().epoch == 0
             client.close()
