@@ -100,6 +100,22 @@ def check_report_against_log(report: dict[str, Any], events: list[Event]) -> Non
     assert report["summary"]["last_epoch"] == max(changed)
 
 
+def check_clean_end(report: dict[str, Any], events: list[Event]) -> None:
+    """The job reached its last step and ended: one JOB_FINISHED at the target step, nobody declared
+    dead and no epoch after it, every agent still running at the end exited 0 by itself."""
+    finished = [i for i, e in enumerate(events) if e.type is EventType.JOB_FINISHED]
+    assert len(finished) == 1
+    assert int(events[finished[0]].details["step"]) == report["run"]["target_step"]
+    after = [
+        e for e in events[finished[0] :] if e.type in (EventType.MEMBER_DEAD, EventType.TOPOLOGY_CHANGED)
+    ]
+    assert after == []
+    assert report["summary"]["finished_step"] == report["run"]["target_step"]
+    assert report["summary"]["events_after_finish"] == []
+    codes = report["run"]["agent_exit_codes"]
+    assert codes and set(codes.values()) == {0}, codes
+
+
 def check_png(path: Path) -> None:
     with Image.open(path) as image:
         image.verify()
@@ -130,6 +146,7 @@ def test_demo_recovers_a_killed_host_and_reports_what_the_event_log_says(tmp_pat
     assert f["steps_lost"] <= 1
     assert set(f["phases"]) == {"detect", "decide", "broadcast", "reinit", "restore", "compile", "first_step"}
     check_report_against_log(report, events)
+    check_clean_end(report, events)
     assert 0 < report["goodput"]["goodput"] < 1
     check_png(tmp_path / "timeline.png")
     assert "recovered in" in result.stdout and "report.json" in result.stdout
@@ -153,6 +170,7 @@ def test_demo_survives_two_failures_in_a_row_one_of_them_the_host_of_process_0(t
     assert second["epoch_before"] >= first["epoch_after"]
     assert report["run"]["reached_target"]
     check_report_against_log(report, events)
+    check_clean_end(report, events)
     check_png(tmp_path / "timeline.png")
 
 
