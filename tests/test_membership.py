@@ -72,6 +72,8 @@ def job(
 
 
 NOW = 50.0
+# Planner settings below plan a loss at the moment it happens (no burst window): these tests are about
+# the transitions, the window has its own (tests/test_reliability_core.py).
 
 
 def one(events: Sequence[Event]) -> Event:
@@ -206,11 +208,11 @@ def test_register_of_a_present_topology_member_keeps_its_rank(state: MemberState
     after = replay(events, before)
     assert after.topology == before.topology
     # Nothing for the planner to do: the epoch does not change.
-    assert plan(NOW, after, {}, PlannerSettings(world_size=3)).kind is Kind.NONE
+    assert plan(NOW, after, {}, PlannerSettings(world_size=3, burst_window_s=0)).kind is Kind.NONE
 
 
 def test_register_of_a_replaced_dead_host_comes_back_as_a_spare() -> None:
-    settings = PlannerSettings(world_size=3)
+    settings = PlannerSettings(world_size=3, burst_window_s=0)
     state = job(spares=("s0",))
     # a1 dies; the planner gives its rank to s0.
     state = replay(membership.declare(NOW, state, "a1", 1, DEAD, "no heartbeat"), state)
@@ -230,7 +232,7 @@ def test_register_of_a_replaced_dead_host_comes_back_as_a_spare() -> None:
 
 def test_dead_member_that_returns_while_the_job_waits_gets_a_new_epoch() -> None:
     """Regression: it used to count as a survivor again, at the old epoch, with a spare's record."""
-    settings = PlannerSettings(world_size=2, min_world_size=2, max_wait_s=30.0)
+    settings = PlannerSettings(world_size=2, min_world_size=2, max_wait_s=30.0, burst_window_s=0)
     state = job(("a0", "a1"), epoch=1, spares=())
 
     def change(now: float, events: list[Event]) -> Kind:
@@ -352,7 +354,7 @@ def test_leave_when_gone_is_a_no_op(was: MemberState) -> None:
 def test_leave_of_a_topology_member_is_replaced_by_the_planner() -> None:
     state = job()
     after = replay(membership.leave(NOW, state, "a2", 1, "bye"), state)
-    decision = plan(NOW, after, {}, PlannerSettings(world_size=3))
+    decision = plan(NOW, after, {}, PlannerSettings(world_size=3, burst_window_s=0))
     assert decision.kind is Kind.REPLACE and decision.hosts == ("a0", "a1", "s0")
     assert "a2 left" in decision.reason
 
@@ -378,7 +380,7 @@ def test_drain_of_a_gone_member_is_rejected(was: MemberState) -> None:
 def test_drained_member_is_replaced_by_a_spare() -> None:
     state = job()
     after = replay(membership.drain(NOW, state, "a0", "upgrade"), state)
-    decision = plan(NOW, after, {}, PlannerSettings(world_size=3))
+    decision = plan(NOW, after, {}, PlannerSettings(world_size=3, burst_window_s=0))
     assert decision.kind is Kind.REPLACE and decision.hosts == ("s0", "a1", "a2")
 
 

@@ -438,7 +438,7 @@ def test_jax_port_moves_with_the_epoch_and_wraps_within_the_span() -> None:
     assert all(40000 <= p < 40010 for p in ports)
     assert all(b == (a + 1 if a < 40009 else 40000) for a, b in itertools.pairwise(ports))
     state = formed(("a0", "a1"), epoch=19, states={"a1": DEAD}, others=spares("s0"))
-    events = plan_events(1.0, state, plan(1.0, state, {}, settings), settings, "job-a")
+    events = plan_events(2.0, state, plan(2.0, state, {}, settings), settings, "job-a")
     topology = events[-1].topology
     assert topology is not None
     assert topology.jax_coordinator_address.endswith(f":{settings.jax_port('job-a', 20)}")
@@ -469,7 +469,7 @@ def test_a_refused_address_of_an_older_epoch_changes_nothing() -> None:
 
 def test_a_lost_member_is_replaced_even_when_the_address_was_refused() -> None:
     state = replace(formed(FOUR, epoch=3, states={"a2": DEAD}, others=spares("s0")), address_refused_epoch=3)
-    decision = plan(1.0, state, {}, S())
+    decision = plan(2.0, state, {}, S())
     assert decision.kind is Kind.REPLACE
     assert decision.hosts == ("a0", "a1", "s0", "a3")
 

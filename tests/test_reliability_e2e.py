@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import sys
@@ -268,3 +269,36 @@ def test_a_member_that_joined_a_doomed_epoch_moves_on_in_process(cluster: Cluste
         # (A trainer of epoch 1 may leave with 75 when host-1's death stalls its step: not this.)
         assert "code=75 epoch=2 " not in log, f"{host} restarted a trainer of epoch 2:\n{log[-3000:]}"
         assert "every member came" in log
+
+
+def trainer_pid(agent_log: str) -> int:
+    """The pid of the first trainer an agent started (the one running epoch 1)."""
+    import re
+
+    match = re.search(r"trainer started\s+.*?pid=(\d+)", agent_log)
+    assert match, agent_log[-2000:]
+    return int(match.group(1))
+
+
+@pytest.mark.timeout(420)
+def test_a_frozen_trainer_is_replaced_and_no_healthy_host_is_blamed(cluster: Cluster) -> None:
+    """SIGSTOP host-1's trainer only (its agent goes on heartbeating): its peers block in the next
+    collective and report it; host-1 reports nothing and is declared dead before the peers'
+    collectives time out, and the peers' own aborts are not charged to their hosts."""
+    import os
+
+    start_job(cluster, tinylm(150, "--step-sleep", "0.05"))
+    wait_live(cluster, 0)
+    wait_for(lambda: cluster.members()["host-1"].last_step >= 15, 120, "step 15")
+    frozen = trainer_pid(cluster.agents["host-1"].output())
+    os.kill(frozen, signal.SIGSTOP)
+    try:
+        epoch = wait_live(cluster, 1)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(frozen, signal.SIGCONT)
+    events = assert_finished_cleanly(cluster)
+    dead = [e for e in events if e.type == pb.EVENT_TYPE_MEMBER_DEAD]
+    assert [e.host_id for e in dead] == ["host-1"], [e.reason for e in dead]
+    assert "stopped taking part" in dead[0].reason
+    assert epoch == 2

@@ -383,8 +383,10 @@ class Agent:
         if topology.epoch < self.topology.epoch:
             return  # an older epoch than we already run: stale
         changed = topology.epoch != self.topology.epoch
-        if changed and self._rank(topology) >= 0 > self._rank(self.topology):
-            self.last_progress = time.monotonic()  # the hang clock starts when the host gets a rank
+        if changed and self._rank(topology) >= 0:
+            # The hang clock starts afresh with every epoch the host holds a rank in: joining one
+            # (runtime, restore, compile) is no step progress, and must not count as a hang.
+            self.last_progress = time.monotonic()
         self.topology = topology
         self.log = self.log.bind(epoch=topology.epoch)
         if changed:
@@ -646,6 +648,31 @@ class Agent:
 
         await self._relay(commit)
 
+    async def report_stall(self, request: apb.LocalStallRequest) -> None:
+        """The trainer has been blocked in a step for a while: the coordinator weighs it against its
+        peers' reports (a member none of them hears from is frozen)."""
+
+        def stall(stub: pb_grpc.CoordinatorStub, incarnation: int) -> Awaitable[pb.ReportFaultResponse]:
+            return stub.ReportFault(
+                pb.ReportFaultRequest(
+                    host_id=self.settings.host_id,
+                    incarnation=incarnation,
+                    kind=pb.FAULT_KIND_STALLED,
+                    epoch=request.epoch,
+                    step=request.step,
+                    detail=f"blocked {request.blocked_s:.2f}s in the step after {request.step}",
+                ),
+                timeout=2,
+            )
+
+        self.log.warning(
+            "trainer blocked in a step",
+            epoch=request.epoch,
+            step=request.step,
+            blocked_s=round(request.blocked_s, 2),
+        )
+        await self._relay(stall)
+
     async def finish(self, request: apb.LocalFinishRequest) -> None:
         """The trainer completed the job's last step: tell the coordinator, and from now on take no
         exit of the trainer for a fault. Raises the coordinator's refusal (a newer epoch began)."""
@@ -737,6 +764,12 @@ class _LocalApi(apb_grpc.AgentLocalServicer):
     ) -> apb.LocalCommitResponse:
         await _relayed(context, self._agent.commit_checkpoint(request))
         return apb.LocalCommitResponse()
+
+    async def ReportStall(
+        self, request: apb.LocalStallRequest, context: grpc.aio.ServicerContext
+    ) -> apb.LocalStallResponse:
+        await _relayed(context, self._agent.report_stall(request))
+        return apb.LocalStallResponse()
 
     async def Finish(
         self, request: apb.LocalFinishRequest, context: grpc.aio.ServicerContext

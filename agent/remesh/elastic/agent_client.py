@@ -173,6 +173,18 @@ class AgentClient:
         except grpc.RpcError as exc:
             raise _refusal(exc, f"commit of step {step} to {tier} in epoch {epoch}") from exc
 
+    def report_stall(self, epoch: int, step: int, blocked_s: float) -> None:
+        """Tell the agent this trainer has been blocked for ``blocked_s`` in the step after ``step``
+        (it waits for a peer). Best effort: a report that does not arrive changes nothing here."""
+        try:
+            self._stub.ReportStall(
+                apb.LocalStallRequest(epoch=epoch, step=step, blocked_s=blocked_s), timeout=5
+            )
+        except grpc.RpcError as exc:
+            log.warning(
+                "stall report not delivered", epoch=epoch, step=step, error=str(_refusal(exc, "stall"))
+            )
+
     def finish(self, epoch: int, step: int) -> None:
         """Tell the agent (and the coordinator) this member completed the job's last step.
 

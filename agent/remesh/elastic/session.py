@@ -103,6 +103,10 @@ class Policy:
     snapshots_kept: int = 3
     # Save a checkpoint every N steps from rank 0 (0: never).
     checkpoint_every: int = 0
+    # A step blocked this long reports it (the agent tells the coordinator): when every other member
+    # is blocked like this and one is not, that one stopped taking part and is replaced, before the
+    # collective times out. None: half the collective timeout (a healthy step here takes tens of ms).
+    stall_report_s: float | None = None
     # A step still running this long after a new epoch was announced is stuck in a collective with a
     # dead peer (it would wait for the collective timeout, then often abort inside gloo): the process
     # exits for the agent's warm standby process to take over at once. None: always wait it out.
@@ -171,6 +175,8 @@ class Session:
         # Timings of the recovery that led into the next epoch (teardown, waiting for the epoch).
         self._recovery: dict[str, float] = {}
         self.rank = -1
+        # Steps completed in the current epoch (what a stall report names).
+        self._step = 0
         # Seconds the training loop waited for a checkpoint save to finish, and seconds spent saving
         # (in the background); for goodput accounting.
         self.stats: dict[str, float] = {"checkpoint_wait_s": 0.0, "checkpoint_save_s": 0.0}
@@ -226,13 +232,27 @@ class Session:
         return assignment
 
     def _watchdog(self) -> None:
+        stall_after = self.policy.stall_report_s or self.policy.collective_timeout_s / 2
+        reported: tuple[int, float] | None = None
         while True:
             time.sleep(0.05)
             blocked = self._blocked
-            latest = self.agent.latest
-            if blocked is None or latest.epoch <= blocked[0]:
+            if blocked is None:
                 continue
             epoch, since, grace, what = blocked
+            if what == "step" and reported != (epoch, since) and time.monotonic() - since >= stall_after:
+                reported = (epoch, since)
+                # In the background: the agent may retry through a leader change, and this thread
+                # must stay free to notice a new epoch.
+                threading.Thread(
+                    target=self.agent.report_stall,
+                    args=(epoch, self._step, time.monotonic() - since),
+                    name="remesh-stall",
+                    daemon=True,
+                ).start()
+            latest = self.agent.latest
+            if latest.epoch <= epoch:
+                continue
             stuck = time.monotonic() - max(since, self.agent.changed_at)
             if stuck >= grace:
                 self._restart_process(
@@ -285,6 +305,7 @@ class Session:
         log.info("epoch ready", epoch=assignment.epoch, step=step, source=source, **_rounded(phases))
 
         acked = False
+        self._step = step
         while step < num_steps:
             latest = self.agent.latest
             if latest.epoch > assignment.epoch:
@@ -298,6 +319,7 @@ class Session:
                 host_metrics = {k: float(_to_host(v)) for k, v in metrics.items()}
             self._blocked = None
             step += 1
+            self._step = step
             self._last_leaves = host_leaves
             self.snapshots.put(step, host_leaves)
             if not acked:

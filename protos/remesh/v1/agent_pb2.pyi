@@ -80,6 +80,20 @@ class LocalCommitResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class LocalStallRequest(_message.Message):
+    __slots__ = ("epoch", "step", "blocked_s")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    BLOCKED_S_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    step: int
+    blocked_s: float
+    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., blocked_s: _Optional[float] = ...) -> None: ...
+
+class LocalStallResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class LocalFinishRequest(_message.Message):
     __slots__ = ("epoch", "step")
     EPOCH_FIELD_NUMBER: _ClassVar[int]

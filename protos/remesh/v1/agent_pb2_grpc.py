@@ -54,6 +54,11 @@ class AgentLocalStub:
                 request_serializer=remesh_dot_v1_dot_agent__pb2.LocalCommitRequest.SerializeToString,
                 response_deserializer=remesh_dot_v1_dot_agent__pb2.LocalCommitResponse.FromString,
                 _registered_method=True)
+        self.ReportStall = channel.unary_unary(
+                '/remesh.v1.AgentLocal/ReportStall',
+                request_serializer=remesh_dot_v1_dot_agent__pb2.LocalStallRequest.SerializeToString,
+                response_deserializer=remesh_dot_v1_dot_agent__pb2.LocalStallResponse.FromString,
+                _registered_method=True)
         self.Finish = channel.unary_unary(
                 '/remesh.v1.AgentLocal/Finish',
                 request_serializer=remesh_dot_v1_dot_agent__pb2.LocalFinishRequest.SerializeToString,
@@ -92,6 +97,13 @@ class AgentLocalServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportStall(self, request, context):
+        """The trainer has been blocked in a step for a while (see Coordinator FAULT_KIND_STALLED).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Finish(self, request, context):
         """The trainer completed the job's last step: it is not a fault if it exits in any way afterwards.
         """
@@ -121,6 +133,11 @@ def add_AgentLocalServicer_to_server(servicer, server):
                     servicer.CommitCheckpoint,
                     request_deserializer=remesh_dot_v1_dot_agent__pb2.LocalCommitRequest.FromString,
                     response_serializer=remesh_dot_v1_dot_agent__pb2.LocalCommitResponse.SerializeToString,
+            ),
+            'ReportStall': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportStall,
+                    request_deserializer=remesh_dot_v1_dot_agent__pb2.LocalStallRequest.FromString,
+                    response_serializer=remesh_dot_v1_dot_agent__pb2.LocalStallResponse.SerializeToString,
             ),
             'Finish': grpc.unary_unary_rpc_method_handler(
                     servicer.Finish,
@@ -236,6 +253,33 @@ class AgentLocal:
             '/remesh.v1.AgentLocal/CommitCheckpoint',
             remesh_dot_v1_dot_agent__pb2.LocalCommitRequest.SerializeToString,
             remesh_dot_v1_dot_agent__pb2.LocalCommitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportStall(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/remesh.v1.AgentLocal/ReportStall',
+            remesh_dot_v1_dot_agent__pb2.LocalStallRequest.SerializeToString,
+            remesh_dot_v1_dot_agent__pb2.LocalStallResponse.FromString,
             options,
             channel_credentials,
             insecure,

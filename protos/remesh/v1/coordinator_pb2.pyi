@@ -65,6 +65,7 @@ class FaultKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAULT_KIND_TRAINER_HUNG: _ClassVar[FaultKind]
     FAULT_KIND_HOST: _ClassVar[FaultKind]
     FAULT_KIND_ADDRESS_IN_USE: _ClassVar[FaultKind]
+    FAULT_KIND_STALLED: _ClassVar[FaultKind]
 ROLE_UNSPECIFIED: Role
 ROLE_ACTIVE: Role
 ROLE_SPARE: Role
@@ -106,6 +107,7 @@ FAULT_KIND_TRAINER_EXITED: FaultKind
 FAULT_KIND_TRAINER_HUNG: FaultKind
 FAULT_KIND_HOST: FaultKind
 FAULT_KIND_ADDRESS_IN_USE: FaultKind
+FAULT_KIND_STALLED: FaultKind
 
 class Member(_message.Message):
     __slots__ = ("host_id", "incarnation", "role", "state", "device_count", "address", "rank", "reason", "updated_at", "last_step")
@@ -346,20 +348,22 @@ class AckEpochResponse(_message.Message):
     def __init__(self, live: _Optional[bool] = ...) -> None: ...
 
 class ReportFaultRequest(_message.Message):
-    __slots__ = ("host_id", "incarnation", "kind", "epoch", "exit_code", "detail")
+    __slots__ = ("host_id", "incarnation", "kind", "epoch", "exit_code", "detail", "step")
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     host_id: str
     incarnation: int
     kind: FaultKind
     epoch: int
     exit_code: int
     detail: str
-    def __init__(self, host_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., kind: _Optional[_Union[FaultKind, str]] = ..., epoch: _Optional[int] = ..., exit_code: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+    step: int
+    def __init__(self, host_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., kind: _Optional[_Union[FaultKind, str]] = ..., epoch: _Optional[int] = ..., exit_code: _Optional[int] = ..., detail: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class ReportFaultResponse(_message.Message):
     __slots__ = ("member_dead", "reason")

@@ -6,7 +6,9 @@ Liveness is not stored in Redis per heartbeat: the leader keeps it in memory (``
 - the heartbeat stream broke (the agent's process died, its socket closed): suspect at once, dead
   after a short grace unless the agent registers again;
 - no heartbeat for ``suspect_after_s``: suspect; for ``heartbeat_timeout_s``: dead;
-- (agent-reported trainer faults are handled by ``membership.report_fault``.)
+- (agent-reported trainer faults are handled by ``membership.report_fault``;)
+- every other member of the epoch reported its trainer blocked in the same step, and this one did
+  not (``judge_stalls``): its trainer stopped taking part (frozen, hung), so its peers wait on it.
 
 Nobody is judged before ``Liveness.not_before``: a new leader, or one whose store was down, first
 grants every member a fresh deadline.
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 from remesh.coordinator.model import ClusterState, MemberState
 from remesh.coordinator.settings import DetectorSettings
 
-__all__ = ["Liveness", "Verdict", "judge"]
+__all__ = ["Liveness", "Stall", "Verdict", "judge", "judge_stalls"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,16 @@ class Liveness:
     last_seen: float
     not_before: float = 0.0
     stream_broken_at: float | None = None
+
+
+@dataclass(frozen=True)
+class Stall:
+    """A member's report that its trainer is blocked in a step (waiting in a collective)."""
+
+    epoch: int
+    # Steps completed when it became blocked: the report holds while the member reports no more.
+    step: int
+    at: float
 
 
 @dataclass(frozen=True)
@@ -82,3 +94,49 @@ def judge(
             why = "heartbeat stream broke" if broken is not None else f"no heartbeat for {silence:.2f}s"
             verdicts.append(Verdict(member.host_id, member.incarnation, MemberState.SUSPECT, why, silence))
     return verdicts
+
+
+def judge_stalls(
+    now: float,
+    state: ClusterState,
+    stalls: Mapping[str, Stall],
+    steps: Mapping[str, int],
+    settings: DetectorSettings,
+) -> list[Verdict]:
+    """Members every other member of the epoch is blocked waiting for: dead.
+
+    A member whose trainer is frozen (stopped, hung) sends heartbeats as usual, but its peers block
+    in the next collective and report it; it reports nothing. Once the reports have held for
+    ``stall_verdict_s`` (a member that merely lags finishes its step first, and the reports lapse as
+    its peers' steps advance), the members that did not report are declared dead, provided they
+    are no more than those that did: one confused reporter never blames a majority.
+    """
+    topology = state.topology
+    if topology is None or topology.halted or state.finished:
+        return []
+    members = topology.host_ids
+    blocked = {
+        h: s
+        for h, s in stalls.items()
+        if h in members and s.epoch == topology.epoch and steps.get(h, -1) <= s.step
+    }
+    if not blocked:
+        return []
+    waited = now - min(s.at for s in blocked.values())
+    if waited < settings.stall_verdict_s:
+        return []
+    waiting = [h for h in members if h not in blocked and state.members[h].state.is_up]
+    if not waiting or len(waiting) > len(blocked):
+        return []
+    reporters = ", ".join(sorted(blocked))
+    return [
+        Verdict(
+            h,
+            state.members[h].incarnation,
+            MemberState.DEAD,
+            f"its trainer stopped taking part in epoch {topology.epoch}: {reporters} blocked "
+            f"{waited:.2f}s waiting for it",
+            waited,
+        )
+        for h in waiting
+    ]

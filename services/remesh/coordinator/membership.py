@@ -36,6 +36,7 @@ __all__ = [
     "FaultOutcome",
     "ack_epoch",
     "commit_checkpoint",
+    "current_member",
     "declare",
     "drain",
     "finish",
@@ -59,6 +60,7 @@ class FaultKind(enum.StrEnum):
     TRAINER_HUNG = "trainer_hung"
     HOST = "host"
     ADDRESS_IN_USE = "address_in_use"
+    STALLED = "stalled"
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,14 @@ def _refuse_if_finished(state: ClusterState) -> None:
             f"the job finished at step {state.finished_step}: there is nothing left to join or run",
             state.finished_step,
         )
+
+
+def current_member(state: ClusterState, host_id: str, incarnation: int, max_length: int = 128) -> Member:
+    """The member, if ``incarnation`` is its current one and it is not gone; a refusal otherwise."""
+    member = _current(state, host_id, incarnation, max_length)
+    if member.state in (MemberState.DEAD, MemberState.LEFT):
+        raise Rejected(f"{host_id} incarnation {incarnation} is {member.state.value} ({member.reason})")
+    return member
 
 
 def _event(type_: EventType, now: float, state: ClusterState, member: Member, reason: str) -> Event:
@@ -246,13 +256,15 @@ def report_fault(
     exit_code: int,
     detail: str,
     max_length: int = 128,
+    blocked_since: float | None = None,
 ) -> FaultOutcome:
     """Charge a trainer fault to its host (dead, replaced) unless it was collateral damage.
 
     A trainer that dies because a peer died (its collective broke, or the JAX runtime aborted when
     rank 0 went away) is not at fault: its host stays, and its agent restarts it on the new epoch.
-    That is the case when the trainer ran an older epoch, or another member of the same epoch is
-    already failing.
+    That is the case when the trainer ran an older epoch, another member of the same epoch is
+    already failing, or it had reported being blocked in a step of this epoch (``blocked_since``:
+    it waited for a peer until its collective gave up).
     """
     member = _current(state, host_id, incarnation, max_length)
     _text("detail", detail)
@@ -269,6 +281,9 @@ def report_fault(
         if topology is not None and in_topology
         else []
     )
+    if kind is FaultKind.STALLED:
+        # An observation the detector weighs (``detector.judge_stalls``), never a fault by itself.
+        return FaultOutcome([], False, f"{host_id} reported its trainer blocked in epoch {epoch}")
     if state.finished:
         # A trainer that aborts after the job's last step (JAX's shutdown with a peer already gone)
         # cost nothing: nothing is recorded.
@@ -301,6 +316,12 @@ def report_fault(
         dead = False
     elif failing:
         reason = f"collateral: {', '.join(failing)} failing in the same epoch"
+        dead = False
+    elif blocked_since is not None:
+        reason = (
+            f"collateral: its trainer was blocked waiting for its peers since {blocked_since:.2f} "
+            f"({kind.value}: {detail or f'exit code {exit_code}'})"
+        )
         dead = False
     else:
         reason = f"{kind.value}: {detail or f'exit code {exit_code}'}"

@@ -11,10 +11,10 @@ decides one of:
 - GROW     nothing lost, the job runs below its target size and spares are up.
 - READDRESS nothing lost, but rank 0 found the epoch's JAX coordination port taken: the same
            members in a new epoch (whose port differs).
-- HOLD     members are lost while others of the topology are suspect: their verdicts are near
-           (dead, or refuted by a heartbeat), so the plan waits for them, up to
-           ``settings.suspect_hold_s`` after the first loss, and a correlated failure becomes one
-           epoch instead of one per host.
+- HOLD     members are lost: the plan waits ``settings.burst_window_s`` after the first loss for
+           the rest of a burst, and while others of the topology are suspect (their verdicts are
+           near: dead, or refuted by a heartbeat) up to ``settings.suspect_hold_s``, so a correlated
+           failure becomes one epoch instead of one per host.
 - WAIT     below the minimum size: wait (a JOB_WAITING event marks the start) up to a bound.
 - HALT     the wait ran out: a final, empty topology with the reason.
 - NONE     nothing to do.
@@ -122,14 +122,17 @@ def plan(now: float, state: ClusterState, steps: Mapping[str, int], settings: Pl
             )
         return Decision(Kind.NONE, "topology healthy")
 
-    suspects = [h for h in survivors if state.members[h].state is MemberState.SUSPECT]
-    if suspects and state.waiting_since is None:
-        # Planned now, the epoch would list hosts that are probably gone too (their stream broke, or
-        # they went silent at the same moment): one more recovery a moment later. Their verdict is
-        # near, so wait for it, but never longer than the bound.
-        first_loss = min(state.members[h].updated_at for h in lost)
-        held = now - first_loss
-        if held < settings.suspect_hold_s:
+    if lost and state.waiting_since is None:
+        # Planned now, the epoch would list hosts that are probably gone too: one more recovery a
+        # moment later. Every loss of a burst is collected for a short window, and while members of
+        # the topology are suspect (their verdict is near) up to a longer bound.
+        held = now - min(state.members[h].updated_at for h in lost)
+        suspects = [h for h in survivors if state.members[h].state is MemberState.SUSPECT]
+        if held < settings.burst_window_s:
+            return Decision(
+                Kind.HOLD, f"{', '.join(lost)} lost: collecting the burst for {settings.burst_window_s:g}s"
+            )
+        if suspects and held < settings.suspect_hold_s:
             return Decision(
                 Kind.HOLD,
                 f"{', '.join(lost)} lost while {', '.join(suspects)} suspect: waiting up to "

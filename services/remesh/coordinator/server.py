@@ -72,6 +72,7 @@ _FAULT = {
     pb.FAULT_KIND_TRAINER_HUNG: FaultKind.TRAINER_HUNG,
     pb.FAULT_KIND_HOST: FaultKind.HOST,
     pb.FAULT_KIND_ADDRESS_IN_USE: FaultKind.ADDRESS_IN_USE,
+    pb.FAULT_KIND_STALLED: FaultKind.STALLED,
 }
 
 
@@ -359,6 +360,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         if kind is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown fault kind {request.kind}")
             raise AssertionError("unreachable")
+        if kind is FaultKind.STALLED:
+
+            async def stall() -> str:
+                return self._c.report_stall(request.host_id, request.incarnation, request.epoch, request.step)
+
+            return pb.ReportFaultResponse(member_dead=False, reason=await _answer(context, stall()))
         outcome = await _answer(
             context,
             self._c.report_fault(

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 import structlog
 
 from remesh.coordinator import membership
-from remesh.coordinator.detector import Liveness, Verdict, judge
+from remesh.coordinator.detector import Liveness, Stall, Verdict, judge, judge_stalls
 from remesh.coordinator.errors import (
     Conflict,
     CoordinatorError,
@@ -96,6 +96,8 @@ class Coordinator:
         self._liveness: dict[str, Liveness] = {}
         self._steps: dict[str, int] = {}
         self._dirty_steps: dict[str, int] = {}
+        # Trainers their agents reported blocked in a step (observations, like liveness).
+        self._stalls: dict[str, Stall] = {}
         self._streams: dict[str, AgentStream] = {}
         self._topology_changed = asyncio.Condition()
         self._tasks: list[asyncio.Task[None]] = []
@@ -327,6 +329,7 @@ class Coordinator:
                 for stream in self._streams.values():
                     stream.commands.put_nowait(("finished", event.reason))
         if any(e.type in (EventType.TOPOLOGY_CHANGED, EventType.JOB_HALTED) for e in events):
+            self._stalls = {}
             async with self._topology_changed:
                 self._topology_changed.notify_all()
         self._update_gauges()
@@ -378,7 +381,9 @@ class Coordinator:
             self._grant_all(self._clock())
             self._store_log("store reachable again; every member granted a fresh deadline")
         now = self._clock()
-        verdicts = judge(now, self.state, self._liveness, self.settings.detector)
+        verdicts = judge(now, self.state, self._liveness, self.settings.detector) + judge_stalls(
+            now, self.state, self._stalls, self._steps, self.settings.detector
+        )
         if verdicts:
             # Every verdict of this tick in one commit, planned together: hosts lost together (a rack,
             # a switch) make one new epoch, not one each.
@@ -492,10 +497,16 @@ class Coordinator:
         detail: str,
     ) -> membership.FaultOutcome:
         outcome: list[membership.FaultOutcome] = []
+        stall = self._stalls.get(host_id)
+        blocked_since = (
+            stall.at
+            if stall is not None and stall.epoch == epoch and self._steps.get(host_id, -1) <= stall.step
+            else None
+        )
 
         def transition(s: ClusterState, now: float) -> list[Event]:
             result = membership.report_fault(
-                now, s, host_id, incarnation, kind, epoch, exit_code, detail, self._max_id
+                now, s, host_id, incarnation, kind, epoch, exit_code, detail, self._max_id, blocked_since
             )
             outcome[:] = [result]
             return result.events
@@ -543,6 +554,23 @@ class Coordinator:
         await self._change(
             lambda s, t: membership.finish(t, s, host_id, incarnation, epoch, step, self._max_id)
         )
+
+    def report_stall(self, host_id: str, incarnation: int, epoch: int, step: int) -> str:
+        """A member's trainer is blocked in the step after ``step`` of ``epoch``: noted in memory for
+        the detector (``judge_stalls``), which decides whether a peer it waits for stopped."""
+        if not self.leading:
+            raise self.not_leader()
+        membership.current_member(self.state, host_id, incarnation, self._max_id)
+        if epoch != self.state.epoch:
+            return f"stall in epoch {epoch} ignored: epoch {self.state.epoch} is current"
+        if (
+            host_id not in self._stalls
+            or self._stalls[host_id].epoch != epoch
+            or self._stalls[host_id].step != step
+        ):
+            self._stalls[host_id] = Stall(epoch, step, self._clock())
+            log.info("trainer blocked", host=host_id, epoch=epoch, step=step)
+        return f"{host_id} blocked in epoch {epoch} after step {step}: noted"
 
     def member_step(self, host_id: str) -> int:
         return self._steps.get(host_id, -1)

@@ -30,6 +30,11 @@ class DetectorSettings:
     # After a coordinator start or a store outage every member gets this long before anyone is
     # judged, so a coordinator failover never evicts healthy hosts.
     failover_grace_s: float = 3.0
+    # Every other member reported its trainer blocked in a step for this long (after the trainers'
+    # own threshold, half their 2 s collective timeout): the one that did not report is frozen. A
+    # healthy step takes tens of milliseconds here, so a member one second behind its peers in the
+    # same step is not lagging but stopped.
+    stall_verdict_s: float = 1.0
 
     @property
     def tick_s(self) -> float:
@@ -58,6 +63,10 @@ class PlannerSettings:
     # after its stream broke (0.1 s); the rest is margin for a busy coordinator. Costs nothing when
     # nobody else is suspect.
     suspect_hold_s: float = 0.5
+    # Every loss is held this long before the plan, for the rest of a burst: hosts killed together
+    # are seen apart by up to ~0.15 s on a loaded 2-core machine (each death arrives over its own
+    # connection; the soak split 2 of 12 two-host bursts with no window). Costs every recovery this.
+    burst_window_s: float = 0.15
 
     def jax_port(self, job_id: str, epoch: int) -> int:
         return self.jax_port_base + (zlib.crc32(job_id.encode()) + epoch) % self.jax_port_span
@@ -127,11 +136,12 @@ class Settings:
             heartbeat_timeout_s=10.0,
             stream_grace_s=2.0,
             failover_grace_s=15.0,
+            stall_verdict_s=30.0,
         )
         # Redis across a network: a lease that rides out a slow round trip, keepalives every second.
         ha = HaSettings(lease_ttl_s=3.0, keepalive_s=1.0)
         # Suspect to dead takes 7 s of silence here (10 - 3); a rack failure is still one epoch.
-        planner = PlannerSettings(suspect_hold_s=8.0)
+        planner = PlannerSettings(suspect_hold_s=8.0, burst_window_s=1.0)
         base: dict[str, object] = {
             "listen": "0.0.0.0:50051",
             "metrics_port": 9090,
