@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import replace
@@ -542,6 +543,12 @@ class Agent:
             result = replace(result, epoch=max(result.epoch, self.topology.epoch))
             await self._report_fault(result, "JAX coordination port taken", pb.FAULT_KIND_ADDRESS_IN_USE)
             return
+        if result.returncode == -signal.SIGABRT and not result.hung:
+            # JAX aborts every survivor within ~0.2 s when a peer's trainer or rank 0's coordination
+            # service dies. Reported at once, the abort could reach the coordinator before the peer's
+            # own failure does, and be charged to this healthy host; a moment later it is seen as
+            # collateral. A trainer that aborted on its own is charged that much later.
+            await asyncio.sleep(self.settings.abort_report_delay_s)
         await self._report_fault(result, detail="")
 
     async def _report_fault(self, result: TrainerExit, detail: str, kind: pb.FaultKind | None = None) -> None:

@@ -37,6 +37,9 @@ class AgentSettings:
     # Keep a second trainer process warm (started, imports done, waiting for a rank) to replace the
     # active one at once when a peer's death aborts it. Costs one idle process per host.
     warm_standby: bool = True
+    # A trainer that aborted (SIGABRT, JAX's reaction to a peer's death) is reported this much later,
+    # so the peer's own failure reaches the coordinator first (see Agent._watch_trainer).
+    abort_report_delay_s: float = 0.5
     # How long a trainer told to stop gets before SIGKILL.
     stop_grace_s: float = 5.0
     # After the job finished, how long the ranked trainer may take to leave the JAX runtime and
