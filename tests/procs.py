@@ -13,7 +13,7 @@ from remesh.embedded.cluster import LocalCluster as Cluster
 from remesh.embedded.cluster import Proc
 from remesh.v1 import coordinator_pb2 as pb
 
-__all__ = ["Cluster", "Proc", "assert_no_events", "hold", "wait_for"]
+__all__ = ["Cluster", "Proc", "assert_no_events", "assert_quiet_takeover", "hold", "wait_for"]
 
 T = TypeVar("T")
 
@@ -47,3 +47,34 @@ def assert_no_events(
     after = cluster.events()
     assert after == before, f"recorded during a window in which nothing should happen: {after[len(before) :]}"
     return after
+
+
+def assert_quiet_takeover(
+    cluster: Cluster,
+    before: dict[str, pb.Member],
+    events_before: list[pb.Event],
+    judging_from: float,
+    heartbeat_timeout_s: float,
+) -> list[pb.Event]:
+    """After a coordinator restart or failover: until a heartbeat timeout past ``judging_from`` (when
+    the grace the coordinator granted runs out; time.monotonic()), nobody is judged and nothing at all
+    is recorded; the log before is unchanged, and each host came back once as its next incarnation
+    with its rank. Returns the whole log."""
+
+    def nobody_judged() -> None:
+        assert cluster.topology().epoch == 1
+        assert all(m.state == pb.MEMBER_STATE_ALIVE for m in cluster.members().values())
+
+    window = judging_from + heartbeat_timeout_s + 0.5 - time.monotonic()
+    events = assert_no_events(cluster, window, nobody_judged)
+    assert events[: len(events_before)] == events_before, "the event log before the change is unchanged"
+    later = events[len(events_before) :]
+    for host, member in before.items():
+        assert [(pb.EventType.Name(e.type), e.incarnation) for e in later if e.host_id == host] == [
+            ("EVENT_TYPE_MEMBER_REJOINED", member.incarnation + 1),
+            ("EVENT_TYPE_MEMBER_ALIVE", member.incarnation + 1),
+        ], later
+    assert len(later) == 2 * len(before), later
+    members = cluster.members()
+    assert {h: m.rank for h, m in members.items()} == {h: m.rank for h, m in before.items()}
+    return events

@@ -282,3 +282,15 @@ def test_a_trainer_that_was_blocked_waiting_for_its_peers_is_not_at_fault_when_i
     assert [e.type for e in outcome.events] == [EventType.FAULT_REPORTED]
     alone = membership.report_fault(NOW, job(), "a0", 1, FaultKind.TRAINER_EXITED, 2, -6, "")
     assert alone.member_dead
+
+
+def test_a_host_lost_a_moment_ago_is_not_preferred_to_a_real_spare() -> None:
+    """a1's trainer crashed and its agent registered again within the burst window (alive, a spare
+    now): the hot spare takes the rank, not the host that just failed."""
+    state = job(spares=("z-spare",))
+    back = replace(state.members["a1"], role=Role.SPARE, state=ALIVE, incarnation=2, updated_at=99.99)
+    state = replace(state, members={**state.members, "a1": back})
+    decision = plan(NOW + 1, state, {}, SETTINGS)
+    assert decision.kind is Kind.REPLACE
+    assert decision.hosts == ("a0", "z-spare", "a2")
+    assert "a1 lost, registered again since as a spare" in decision.reason

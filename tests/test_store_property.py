@@ -336,7 +336,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         # A hold (members lost while others are suspect) commits nothing either: it waits.
         assert decision.kind in (Kind.NONE, Kind.HOLD), decision.reason
         assert not plan_events(self.planned_at, self.state, decision, self.planner)
-        if self.state.waiting_since is not None:
+        if self.state.waiting_since is not None and not self.state.finished:
             assert decision.reason.startswith("waiting for a replacement"), decision.reason
 
 

@@ -102,7 +102,9 @@ def plan(now: float, state: ClusterState, steps: Mapping[str, int], settings: Pl
     # back) is a new process: it lost its rank, and may take one again only in a new epoch.
     lost = [h for h in current if not state.members[h].state.is_up or state.members[h].role is Role.SPARE]
     survivors = [h for h in current if h not in lost]
-    spares = [m.host_id for m in up if m.host_id not in survivors]
+    # Spares that were never lost first: a host lost a moment ago that registered again within the
+    # burst window (its trainer crashed, its agent is fine) goes back in only when no one else can.
+    spares = sorted((m.host_id for m in up if m.host_id not in survivors), key=lambda h: h in lost)
     restore = _restore_step(survivors, steps, topology.restore_step)
 
     if not lost and state.address_refused_epoch == topology.epoch:
@@ -139,7 +141,12 @@ def plan(now: float, state: ClusterState, steps: Mapping[str, int], settings: Pl
                 f"{settings.suspect_hold_s:g}s to plan them together",
             )
 
-    why_lost = "; ".join(f"{h} {state.members[h].state.value} ({state.members[h].reason})" for h in lost)
+    why_lost = "; ".join(
+        f"{h} lost, registered again since as a spare"
+        if state.members[h].state.is_up
+        else f"{h} {state.members[h].state.value} ({state.members[h].reason})"
+        for h in lost
+    )
     if len(spares) >= len(lost):
         replacement = dict(zip(lost, spares, strict=False))
         hosts = tuple(replacement.get(h, h) for h in current)
