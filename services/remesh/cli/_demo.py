@@ -138,7 +138,9 @@ def run(args: argparse.Namespace) -> int:
         console.print("\ninterrupted: every process the demo started has been stopped")
         return 130
     _print_summary(console, report, config.out)
-    ok = report["run"]["reached_target"] or bool(config.duration_s)
+    ok = (report["run"]["reached_target"] and not report["summary"].get("events_after_finish")) or bool(
+        config.duration_s
+    )
     return 0 if ok and report["summary"]["recovered"] == report["summary"]["failures"] else 1
 
 
@@ -164,6 +166,18 @@ def _print_summary(console: Console, report: dict[str, Any], out: Path) -> None:
             f"{f['steps_lost']} step(s) lost"
         )
         console.print(f"    phases (s): {phases}", style="dim")
+    if s.get("finished_step") is not None:
+        after = s.get("events_after_finish") or []
+        codes = report["run"].get("agent_exit_codes") or {}
+        console.print(
+            f"  the job finished at step {s['finished_step']}: "
+            + (
+                f"[red]{', '.join(after)} after it[/]"
+                if after
+                else "nothing declared dead and no epoch after it"
+            )
+            + (f", {len(codes)} agent(s) exited 0" if codes and set(codes.values()) == {0} else "")
+        )
     bad = ", ".join(f"{k} {v:.1f}s" for k, v in g["badput_s"].items() if abs(v) >= 0.05)
     console.print(
         f"  goodput {g['goodput']:.3f}, {g['running_goodput']:.3f} after start-up (productive {g['productive_s']:.1f}s of {g['wall_s']:.1f}s; badput: {bad})"
