@@ -260,7 +260,7 @@ def test_the_member_every_other_member_waits_for_is_declared_dead(
     from remesh.coordinator.detector import Stall, judge_stalls
 
     stalls = {h: Stall(2, 40, at) for h in reporters}
-    verdicts = judge_stalls(NOW, job(), stalls, steps, DETECT)
+    verdicts = judge_stalls(NOW, job(), stalls, steps, DETECT, idle={"a0", "a1", "a2"})
     assert [v.host_id for v in verdicts] == dead
     assert all(v.state is DEAD and "stopped taking part" in v.reason for v in verdicts)
 
@@ -269,9 +269,11 @@ def test_stall_reports_of_an_older_epoch_or_a_finished_job_blame_nobody() -> Non
     from remesh.coordinator.detector import Stall, judge_stalls
 
     stalls = {"a0": Stall(1, 40, 90.0), "a2": Stall(1, 40, 90.0)}
-    assert judge_stalls(NOW, job(), stalls, {}, DETECT) == []
+    assert judge_stalls(NOW, job(), stalls, {}, DETECT, idle={"a1"}) == []
     current = {"a0": Stall(2, 40, 90.0), "a2": Stall(2, 40, 90.0)}
-    assert judge_stalls(NOW, finished(), current, {}, DETECT) == []
+    assert judge_stalls(NOW, finished(), current, {}, DETECT, idle={"a1"}) == []
+    # A member that still computes (its agent saw CPU time move) is never blamed: it lags.
+    assert judge_stalls(NOW, job(), current, {}, DETECT, idle=set()) == []
 
 
 def test_a_trainer_that_was_blocked_waiting_for_its_peers_is_not_at_fault_when_it_aborts() -> None:

@@ -145,6 +145,9 @@ class Agent:
         # with its old incarnation, and it may take one again only in a newer epoch.
         self._unranked_through = 0
         self._warm_task: asyncio.Task[None] | None = None
+        # The trainer's CPU time at the last heartbeat, and when it last changed (see _trainer_status).
+        self._cpu_ticks: int | None = None
+        self._cpu_changed_at: float | None = None
 
     # ---- coordinator connection ------------------------------------------------------------------
 
@@ -360,11 +363,20 @@ class Agent:
     # ---- trainer supervision ---------------------------------------------------------------------
 
     def _trainer_status(self) -> Any:
-        if self.trainer is None:
+        trainer = self.trainer
+        if trainer is None:
             return pb.TRAINER_STATUS_NOT_STARTED
-        if self.trainer.hung:
+        if trainer.hung:
             return pb.TRAINER_STATUS_HUNG
-        return pb.TRAINER_STATUS_RUNNING if self.trainer.running() else pb.TRAINER_STATUS_EXITED
+        if not trainer.running():
+            return pb.TRAINER_STATUS_EXITED
+        # A trainer that used no CPU for a while is stopped or deadlocked (or waits in a collective,
+        # which its own stall report says): the coordinator blames no member that still computes.
+        now, ticks = time.monotonic(), trainer.cpu_ticks()
+        if ticks is None or ticks != self._cpu_ticks or self._cpu_changed_at is None:
+            self._cpu_ticks, self._cpu_changed_at = ticks, now
+        idle = now - self._cpu_changed_at >= self.settings.idle_after_s
+        return pb.TRAINER_STATUS_HUNG if idle else pb.TRAINER_STATUS_RUNNING
 
     def _check_hang(self) -> None:
         timeout = self.settings.hang_timeout_s

@@ -40,6 +40,10 @@ class AgentSettings:
     # A trainer that aborted (SIGABRT, JAX's reaction to a peer's death) is reported this much later,
     # so the peer's own failure reaches the coordinator first (see Agent._watch_trainer).
     abort_report_delay_s: float = 0.5
+    # A running trainer that used no CPU time for this long is reported idle in heartbeats
+    # (TRAINER_STATUS_HUNG): stopped or deadlocked, unless its own stall report says it waits for a
+    # peer. A trainer that computes, however starved, uses some CPU every heartbeat period.
+    idle_after_s: float = 1.0
     # How long a trainer told to stop gets before SIGKILL.
     stop_grace_s: float = 5.0
     # After the job finished, how long the ranked trainer may take to leave the JAX runtime and

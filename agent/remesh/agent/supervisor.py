@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import structlog
 
@@ -101,6 +102,15 @@ class TrainerProcess:
             with contextlib.suppress(ProcessLookupError):
                 self.process.kill()
             await self.process.wait()
+
+    def cpu_ticks(self) -> int | None:
+        """CPU time the trainer used so far (user + system, in clock ticks); None when unknown."""
+        try:
+            stat = Path(f"/proc/{self.pid}/stat").read_text()
+        except OSError:
+            return None
+        fields = stat.rpartition(")")[2].split()  # after the command name, which may hold spaces
+        return int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
 
     def kill_hung(self) -> None:
         if self.running():

@@ -16,7 +16,7 @@ grants every member a fresh deadline.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from remesh.coordinator.model import ClusterState, MemberState
@@ -102,14 +102,17 @@ def judge_stalls(
     stalls: Mapping[str, Stall],
     steps: Mapping[str, int],
     settings: DetectorSettings,
+    idle: Collection[str],
 ) -> list[Verdict]:
-    """Members every other member of the epoch is blocked waiting for: dead.
+    """Members every other member of the epoch is blocked waiting for, and whose trainer is idle
+    (``idle``: its agent saw it use no CPU for a while): dead.
 
     A member whose trainer is frozen (stopped, hung) sends heartbeats as usual, but its peers block
     in the next collective and report it; it reports nothing. Once the reports have held for
     ``stall_verdict_s`` (a member that merely lags finishes its step first, and the reports lapse as
-    its peers' steps advance), the members that did not report are declared dead, provided they
-    are no more than those that did: one confused reporter never blames a majority.
+    its peers' steps advance), the members that did not report and whose trainers are idle are
+    declared dead, provided they are no more than those that did: one confused reporter never blames
+    a majority, and a member that still computes (starved of CPU, say) is never blamed.
     """
     topology = state.topology
     if topology is None or topology.halted or state.finished:
@@ -126,7 +129,7 @@ def judge_stalls(
     if waited < settings.stall_verdict_s:
         return []
     waiting = [h for h in members if h not in blocked and state.members[h].state.is_up]
-    if not waiting or len(waiting) > len(blocked):
+    if not waiting or len(waiting) > len(blocked) or not all(h in idle for h in waiting):
         return []
     reporters = ", ".join(sorted(blocked))
     return [

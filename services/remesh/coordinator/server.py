@@ -155,6 +155,11 @@ def add_servicer(servicer: CoordinatorServicer, server: grpc.aio.Server) -> None
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
 
+def _idle(request: pb.HeartbeatRequest) -> bool:
+    """The agent saw its trainer use no CPU for a while (or killed it as hung)."""
+    return request.trainer_status == pb.TRAINER_STATUS_HUNG
+
+
 def _matches(event: Event, hosts: set[str], types: set[EventType], since: float) -> bool:
     # A topology event concerns every host it names.
     if hosts and event.host_id not in hosts and not (event.topology and hosts & set(event.topology.host_ids)):
@@ -193,7 +198,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         if isinstance(first, _Malformed):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, first.message)
         try:
-            await self._c.heartbeat(first.host_id, first.incarnation, first.step)
+            await self._c.heartbeat(first.host_id, first.incarnation, first.step, _idle(first))
         except (Rejected, NotFound) as exc:
             yield pb.HeartbeatResponse(command=pb.COMMAND_REREGISTER, reason=str(exc))
             return
@@ -254,7 +259,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     f"a heartbeat stream belongs to {first.host_id} incarnation {first.incarnation}; "
                     f"got {request.host_id} incarnation {request.incarnation}"
                 )
-            await self._c.heartbeat(request.host_id, request.incarnation, request.step)
+            await self._c.heartbeat(request.host_id, request.incarnation, request.step, _idle(request))
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
         member = await _answer(context, self._c.leave(request.host_id, request.incarnation, request.reason))

@@ -96,8 +96,10 @@ class Coordinator:
         self._liveness: dict[str, Liveness] = {}
         self._steps: dict[str, int] = {}
         self._dirty_steps: dict[str, int] = {}
-        # Trainers their agents reported blocked in a step (observations, like liveness).
+        # Trainers their agents reported blocked in a step, and hosts whose trainer their agent saw
+        # idle (no CPU time) in its last heartbeat: observations, like liveness.
         self._stalls: dict[str, Stall] = {}
+        self._idle: set[str] = set()
         self._streams: dict[str, AgentStream] = {}
         self._topology_changed = asyncio.Condition()
         self._tasks: list[asyncio.Task[None]] = []
@@ -382,7 +384,7 @@ class Coordinator:
             self._store_log("store reachable again; every member granted a fresh deadline")
         now = self._clock()
         verdicts = judge(now, self.state, self._liveness, self.settings.detector) + judge_stalls(
-            now, self.state, self._stalls, self._steps, self.settings.detector
+            now, self.state, self._stalls, self._steps, self.settings.detector, self._idle
         )
         if verdicts:
             # Every verdict of this tick in one commit, planned together: hosts lost together (a rack,
@@ -438,10 +440,14 @@ class Coordinator:
         await self._change(transition)
         return self.state.members.get(host_id, result[0])
 
-    async def heartbeat(self, host_id: str, incarnation: int, step: int) -> None:
+    async def heartbeat(self, host_id: str, incarnation: int, step: int, trainer_idle: bool = False) -> None:
         """Hot path: in memory unless the member changes state (joining or suspect -> alive)."""
         if not self.leading:
             raise self.not_leader()
+        if trainer_idle:
+            self._idle.add(host_id)
+        else:
+            self._idle.discard(host_id)
         now = self._clock()
         self.metrics.heartbeats.inc()
         events = membership.heartbeat(now, self.state, host_id, incarnation, self._max_id)
