@@ -322,6 +322,7 @@ class Coordinator:
                 self._liveness[member.host_id] = Liveness(member.incarnation, last_seen=now)
             if member is not None and member.state in (MemberState.DEAD, MemberState.LEFT):
                 self._liveness.pop(member.host_id, None)
+                self._idle.discard(member.host_id)
                 self._send(member.host_id, member.incarnation, "reregister", member.reason)
             if member is not None and member.state is MemberState.DRAINING:
                 self._send(member.host_id, member.incarnation, "drain", member.reason)
