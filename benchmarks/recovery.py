@@ -15,11 +15,20 @@ member (the coordinator's epoch_live event). The phases come from the coordinato
 (detect, decide) and the trainers' acknowledgements (re-initialise, restore, compile, first step).
 Lost steps are the steps completed before the kill that had to be trained again.
 
+With ``--sharding fsdp`` (or ``hsdp``) the state is sharded over the devices of every host (or of
+each replica group of two hosts), and ``--state-mb`` sizes the model so that parameters and Adam
+moments take about that much in all; the in-place recovery then takes the lost host's shards from a
+survivor's buddy copy (FSDP) or from the other replica group (HSDP), and the bytes each member
+restored per tier are reported. The full restart restores the sharded checkpoint every host wrote.
+
     python benchmarks/detection.py ...   (failure detection alone)
     python benchmarks/recovery.py [--trials 5]
+    python benchmarks/recovery.py --sharding fsdp --state-mb 256 [--trials 3]
 
 Prints a table and, as its last line, a JSON object with inplace_mttr_p50_s,
-agent_restart_mttr_p50_s, full_restart_mttr_p50_s, inplace_vs_full_ratio, lost_steps_max, trials.
+agent_restart_mttr_p50_s, full_restart_mttr_p50_s, inplace_vs_full_ratio, lost_steps_max, trials,
+state_mb, sharding and inplace_bytes_by_tier (median over trials of the bytes all members restored
+from each tier).
 """
 
 from __future__ import annotations
@@ -57,13 +66,36 @@ class Trial:
     mttr: float
     lost_steps: int
     phases: dict[str, float] = field(default_factory=dict)
+    bytes_by_tier: dict[str, int] = field(default_factory=dict)
+
+
+def state_bytes(d_model: int, layers: int, seq_len: int) -> int:
+    """Bytes of tinylm's whole training state (parameters and optimizer moments) at this size."""
+    import functools
+
+    import jax
+
+    from examples.tinylm import model
+
+    config = model.Config(seq_len=seq_len, d_model=d_model, n_layers=layers, d_mlp=4 * d_model)
+    shapes = jax.eval_shape(functools.partial(model.init_state, 0, config))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(shapes))
+
+
+def d_model_for(state_mb: float, layers: int, seq_len: int) -> int:
+    """The smallest width, a multiple of 48 (so it splits over 4, 6 and 8 devices and 4 heads), whose
+    state takes at least ``state_mb`` MiB."""
+    d = 48
+    while state_bytes(d, layers, seq_len) < state_mb * 2**20:
+        d += 48
+    return d
 
 
 def trainer_command(args: argparse.Namespace, checkpoint_dir: Path | None) -> list[str]:
     cmd = [
         sys.executable, "-m", "examples.tinylm.train_elastic", "--steps", "1000000",
-        "--d-model", str(args.d_model), "--layers", str(args.layers), "--seq-len", "32",
-        "--log-every", "50", "--step-sleep", str(args.step_sleep),
+        "--d-model", str(args.d_model), "--layers", str(args.layers), "--seq-len", str(args.seq_len),
+        "--log-every", "50", "--step-sleep", str(args.step_sleep), "--sharding", args.sharding,
     ]  # fmt: skip
     if checkpoint_dir is not None:
         cmd += ["--checkpoint-dir", str(checkpoint_dir), "--checkpoint-every", str(args.checkpoint_every)]
@@ -135,6 +167,16 @@ class Job:
         self.cluster.close()
 
 
+def bytes_of(job: Job, epoch: int) -> dict[str, int]:
+    """Bytes every member of ``epoch`` restored, per tier, summed over the members."""
+    total: dict[str, int] = {}
+    for e in job.events(pb.EVENT_TYPE_EPOCH_ACKED):
+        if e.epoch == epoch:
+            for tier, n in json.loads(e.details.get("restored_bytes", "{}")).items():
+                total[tier] = total.get(tier, 0) + int(n)
+    return total
+
+
 def phases_of(job: Job, epoch: int) -> dict[str, float]:
     acks = [e for e in job.events(pb.EVENT_TYPE_EPOCH_ACKED) if e.epoch == epoch]
     per_member = [json.loads(e.details["phases"]) for e in acks]
@@ -158,7 +200,12 @@ def inplace_trial(job: Job, kind: str) -> Trial:
     job.cluster.agents[victim].popen.wait(10)
     job.add_spare()
     job.wait_warm()
-    return Trial(kind, live.time - t_kill, max(0, before - after.restore_step), phases)
+    restored = min(
+        int(e.details["restored_step"])
+        for e in job.events(pb.EVENT_TYPE_EPOCH_ACKED)
+        if e.epoch == after.epoch
+    )
+    return Trial(kind, live.time - t_kill, max(0, before - restored), phases, bytes_of(job, after.epoch))
 
 
 def full_restart_trial(tmp: Path, redis_url: str, args: argparse.Namespace, checkpoints: Path) -> Trial:
@@ -176,7 +223,13 @@ def full_restart_trial(tmp: Path, redis_url: str, args: argparse.Namespace, chec
         live = relaunched.wait_live(1, 300)
         acks = relaunched.events(pb.EVENT_TYPE_EPOCH_ACKED)
         restored = min(int(e.details["restored_step"]) for e in acks)
-        return Trial("full restart", live.time - t_kill, max(0, before - restored), phases_of(relaunched, 1))
+        return Trial(
+            "full restart",
+            live.time - t_kill,
+            max(0, before - restored),
+            phases_of(relaunched, 1),
+            bytes_of(relaunched, 1),
+        )
     finally:
         relaunched.close()
 
@@ -193,12 +246,23 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=5, help="failures of each kind")
     parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--sharding", choices=("replicated", "fsdp", "hsdp"), default="replicated")
+    parser.add_argument(
+        "--state-mb", type=float, help="size the model to about this much state (sets --d-model; --layers 2)"
+    )
     parser.add_argument("--step-sleep", type=float, default=0.05)
     parser.add_argument(
         "--checkpoint-every", type=int, default=20, help="baseline checkpoint interval (steps)"
     )
     args = parser.parse_args()
+    if args.state_mb:
+        args.layers = 2
+        args.seq_len = 8  # few tokens per step: the state is what this measures, not the compute
+        args.d_model = d_model_for(args.state_mb, args.layers, args.seq_len)
+    mb = state_bytes(args.d_model, args.layers, args.seq_len) / 2**20
     configure_logging(level="warning")
+    progress(f"remesh: {args.sharding} state of {mb:.0f} MiB (d_model {args.d_model}, {args.layers} layers)")
     trials: list[Trial] = []
     with (
         tempfile.TemporaryDirectory(prefix="remesh-recovery-") as tmp_name,
@@ -238,6 +302,13 @@ def main() -> int:
             for p in ("detect", "decide", *PHASES)
         )
         print(f"{kind:<16}{p50:>10.2f}{worst:>8.2f}{max(t.lost_steps for t in rows):>10}{cells}")
+    print()
+    tiers = sorted({tier for t in trials for tier in t.bytes_by_tier})
+    print(f"{'bytes restored (MiB, median)':<30}" + "".join(f"{tier:>10}" for tier in tiers))
+    for kind in ("in-place", "agent-restart", "full restart"):
+        rows = [t for t in trials if t.kind == kind]
+        medians = [statistics.median([t.bytes_by_tier.get(tier, 0) for t in rows]) / 2**20 for tier in tiers]
+        print(f"{kind:<30}" + "".join(f"{m:>10.1f}" for m in medians))
     inplace, _ = summary(trials, "in-place")
     restart, _ = summary(trials, "agent-restart")
     full, _ = summary(trials, "full restart")
@@ -249,6 +320,14 @@ def main() -> int:
         "lost_steps_max": max(t.lost_steps for t in trials if t.kind != "full restart"),
         "full_restart_lost_steps_max": max(t.lost_steps for t in trials if t.kind == "full restart"),
         "trials": args.trials,
+        "state_mb": round(mb, 1),
+        "sharding": args.sharding,
+        "inplace_bytes_by_tier": {
+            tier: int(
+                statistics.median([t.bytes_by_tier.get(tier, 0) for t in trials if t.kind == "in-place"])
+            )
+            for tier in tiers
+        },
     }
     print(json.dumps(result))
     return 0

@@ -25,7 +25,7 @@ from remesh.coordinator.model import (
     TopologyMember,
     replay,
 )
-from remesh.coordinator.planner import Kind, plan, plan_events
+from remesh.coordinator.planner import Decision, Kind, plan, plan_events
 from remesh.coordinator.settings import DetectorSettings, PlannerSettings
 
 ALIVE = MemberState.ALIVE
@@ -460,6 +460,22 @@ def test_address_in_use_from_another_member_or_epoch_is_ignored(host: str, epoch
     out = address_in_use(state, host, epoch)
     assert not out.member_dead and "ignored" in out.reason
     assert replay(out.events, state).address_refused_epoch == 0
+
+
+def test_a_lost_restore_step_halts_the_job_with_the_reason_and_blames_nobody() -> None:
+    state = job()
+    out = membership.report_fault(NOW, state, "a1", 1, FaultKind.STATE_LOST, 3, 65, "no tier holds step 17")
+    assert not out.member_dead and out.halt is not None
+    assert "no tier holds step" in out.halt and "no tier holds step 17" in out.halt
+    halting = out.events + plan_events(NOW, state, Decision(Kind.HALT, out.halt), PlannerSettings())
+    after = replay(halting, state)
+    assert after.topology is not None and after.topology.halted and after.topology.reason == out.halt
+    assert not [m for m in after.members.values() if m.state is MemberState.DEAD]
+
+
+def test_a_lost_restore_step_reported_for_an_older_epoch_is_ignored() -> None:
+    out = membership.report_fault(NOW, job(), "a1", 1, FaultKind.STATE_LOST, 2, 65, "")
+    assert out.halt is None and not out.member_dead and "ignored" in out.reason
 
 
 @pytest.mark.parametrize(("epoch", "match"), [(-1, "negative"), (4, "never published")])

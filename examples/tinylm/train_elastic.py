@@ -28,10 +28,12 @@ import structlog
 from examples.tinylm import data, model
 from remesh.elastic import (
     Checkpoints,
+    Layout,
     LocalCheckpoints,
     Policy,
     Session,
     StepResult,
+    fsdp_partition,
     gcs_checkpoints_from_url,
 )
 
@@ -74,6 +76,18 @@ def main(argv: list[str] | None = None) -> int:
         "state after it; tests compare what an epoch restored with what the last one left",
     )
     p.add_argument("--collective-timeout", type=float, default=Policy().collective_timeout_s)
+    p.add_argument(
+        "--sharding",
+        choices=("replicated", "fsdp", "hsdp"),
+        default="replicated",
+        help="replicated: every host holds the whole state; fsdp: each leaf sharded over every device "
+        "of every host; hsdp: sharded inside replica groups of --hosts-per-replica hosts, replicated "
+        "across them",
+    )
+    p.add_argument("--hosts-per-replica", type=int, default=2, help="hosts in one replica group (hsdp)")
+    p.add_argument(
+        "--buddy-every", type=int, default=Policy().buddy_every, help="buddy copies every K steps (0: none)"
+    )
     args = p.parse_args(argv)
     structlog.configure(
         processors=[
@@ -92,7 +106,13 @@ def main(argv: list[str] | None = None) -> int:
         stores.append(LocalCheckpoints(args.checkpoint_dir))
     if args.gcs:
         stores.append(gcs_checkpoints_from_url(args.gcs))
-    policy = Policy(checkpoint_every=args.checkpoint_every, collective_timeout_s=args.collective_timeout)
+    policy = Policy(
+        checkpoint_every=args.checkpoint_every,
+        collective_timeout_s=args.collective_timeout,
+        buddy_every=args.buddy_every,
+        # A sharded state is gathered whole at the end only where it is written out whole.
+        gather_final=bool(args.save_final) and args.sharding != "replicated",
+    )
     if args.no_snapshots:
         policy = dataclasses.replace(policy, snapshots_kept=0, shm_dir=None)
     train_step = functools.partial(model.train_step, config=config)
@@ -105,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         devices_per_host=args.devices,
         policy=policy,
         checkpoints=stores,
+        layout=Layout(
+            partition=None if args.sharding == "replicated" else fsdp_partition,
+            hosts_per_replica=args.hosts_per_replica if args.sharding == "hsdp" else None,
+        ),
     )
     t0 = time.monotonic()
     last = None
@@ -122,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                     "world_size": result.world_size,
                     "step": result.step,
                     "state_in": int(result.metrics["state_in"]),
-                    "state_out": _checksum(np, session.final_leaves()),
+                    "state_out": int(result.metrics["state_out"]),
                 }
             )
         if result.step % args.log_every == 0 or result.step == args.steps:
@@ -183,7 +207,11 @@ def _with_input_checksum(
     from outside the session. Integer arithmetic, so any reduction order gives the same value.
     """
     new_state, metrics = train_step(state, batch)
-    return new_state, {**metrics, "state_in": _checksum(jnp, jax.tree_util.tree_leaves(state))}
+    return new_state, {
+        **metrics,
+        "state_in": _checksum(jnp, jax.tree_util.tree_leaves(state)),
+        "state_out": _checksum(jnp, jax.tree_util.tree_leaves(new_state)),
+    }
 
 
 def _checksum(xp: Any, leaves: Sequence[Any]) -> Any:

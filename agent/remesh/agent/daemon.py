@@ -38,7 +38,13 @@ import grpc
 import structlog
 
 from remesh.agent.settings import AgentSettings
-from remesh.agent.supervisor import ADDRESS_IN_USE_EXIT_CODE, RESTART_EXIT_CODE, TrainerExit, TrainerProcess
+from remesh.agent.supervisor import (
+    ADDRESS_IN_USE_EXIT_CODE,
+    RESTART_EXIT_CODE,
+    STATE_LOST_EXIT_CODE,
+    TrainerExit,
+    TrainerProcess,
+)
 from remesh.v1 import agent_pb2 as apb
 from remesh.v1 import agent_pb2_grpc as apb_grpc
 from remesh.v1 import coordinator_pb2 as pb
@@ -555,6 +561,11 @@ class Agent:
             result = replace(result, epoch=max(result.epoch, self.topology.epoch))
             await self._report_fault(result, "JAX coordination port taken", pb.FAULT_KIND_ADDRESS_IN_USE)
             return
+        if result.returncode == STATE_LOST_EXIT_CODE and not result.hung:
+            result = replace(result, epoch=max(result.epoch, self.topology.epoch))
+            detail = f"the trainer found no tier holding restore step {self.topology.restore_step}"
+            await self._report_fault(result, detail, pb.FAULT_KIND_STATE_LOST)
+            return
         if result.returncode == -signal.SIGABRT and not result.hung:
             # JAX aborts every survivor within ~0.2 s when a peer's trainer or rank 0's coordination
             # service dies. Reported at once, the abort could reach the coordinator before the peer's
@@ -636,6 +647,7 @@ class Agent:
                     restored_step=request.restored_step,
                     restore_source=request.restore_source,
                     phases=dict(request.phases),
+                    restored_bytes=dict(request.restored_bytes),
                 ),
                 timeout=2,
             )

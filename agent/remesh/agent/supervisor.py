@@ -21,7 +21,13 @@ from pathlib import Path
 
 import structlog
 
-__all__ = ["ADDRESS_IN_USE_EXIT_CODE", "RESTART_EXIT_CODE", "TrainerExit", "TrainerProcess"]
+__all__ = [
+    "ADDRESS_IN_USE_EXIT_CODE",
+    "RESTART_EXIT_CODE",
+    "STATE_LOST_EXIT_CODE",
+    "TrainerExit",
+    "TrainerProcess",
+]
 
 log = structlog.get_logger("remesh.agent")
 
@@ -31,6 +37,8 @@ RESTART_EXIT_CODE = 75
 # The trainer of rank 0 found the epoch's JAX coordination port taken by another process (errno
 # EADDRINUSE): the agent reports it, and the coordinator moves the same members to a new port.
 ADDRESS_IN_USE_EXIT_CODE = 98
+# The trainer found no tier holding its epoch's restore step (EX_DATAERR): reported, never retried.
+STATE_LOST_EXIT_CODE = 65
 
 
 @dataclass(frozen=True)

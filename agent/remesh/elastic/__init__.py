@@ -35,13 +35,23 @@ from remesh.elastic.errors import (
     PeerFailure,
     Recoverable,
     RestartProcess,
+    StateLost,
     TopologyChanged,
 )
-from remesh.elastic.session import ADDRESS_IN_USE_EXIT_CODE, RESTART_EXIT_CODE, Policy, Session, StepResult
+from remesh.elastic.session import (
+    ADDRESS_IN_USE_EXIT_CODE,
+    RESTART_EXIT_CODE,
+    STATE_LOST_EXIT_CODE,
+    Policy,
+    Session,
+    StepResult,
+)
+from remesh.elastic.sharding import Layout, fsdp_partition, replicated_partition
 
 __all__ = [
     "ADDRESS_IN_USE_EXIT_CODE",
     "RESTART_EXIT_CODE",
+    "STATE_LOST_EXIT_CODE",
     "AddressInUse",
     "AgentClient",
     "AlreadyCommitted",
@@ -50,6 +60,7 @@ __all__ = [
     "Checkpoints",
     "ElasticError",
     "GcsCheckpoints",
+    "Layout",
     "LocalCheckpoints",
     "NoViableCheckpoint",
     "PeerFailure",
@@ -58,9 +69,12 @@ __all__ = [
     "RestartProcess",
     "Session",
     "StaleEpoch",
+    "StateLost",
     "StepResult",
     "TopologyChanged",
+    "fsdp_partition",
     "gcs_checkpoints_from_url",
+    "replicated_partition",
 ]
 
 

@@ -147,14 +147,25 @@ class AgentClient:
             return -1
         return int(reply.current_epoch)
 
-    def ack(self, epoch: int, restored_step: int, source: str, phases: Mapping[str, float]) -> bool:
+    def ack(
+        self,
+        epoch: int,
+        restored_step: int,
+        source: str,
+        phases: Mapping[str, float],
+        restored_bytes: Mapping[str, int] | None = None,
+    ) -> bool:
         """Acknowledge ``epoch`` to the coordinator (through the agent, which retries through a leader
         change). Raises ``EpochSuperseded`` when the coordinator refuses (a newer epoch began) and
         ``AgentUnreachable`` when no answer came."""
         try:
             reply = self._stub.AckEpoch(
                 apb.LocalAckRequest(
-                    epoch=epoch, restored_step=restored_step, restore_source=source, phases=dict(phases)
+                    epoch=epoch,
+                    restored_step=restored_step,
+                    restore_source=source,
+                    phases=dict(phases),
+                    restored_bytes=dict(restored_bytes or {}),
                 ),
                 timeout=15,
             )

@@ -232,10 +232,23 @@ def _orbax_restore(path: Path, target: PyTree | None) -> PyTree:
         return checkpointer.restore(path, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args))
 
 
+def _orbax_global() -> Any:
+    """A checkpointer in which every process of the job takes part, each writing or reading its own
+    shards; its barriers go through the JAX coordination service (not device collectives), so a
+    save may run on a background thread while the training loop runs steps."""
+    everyone = set(range(jax.process_count()))
+    options = ocp.options.MultiprocessingOptions(primary_host=0, active_processes=everyone)
+    handler = ocp.PyTreeCheckpointHandler(multiprocessing_options=options)
+    return ocp.Checkpointer(handler, multiprocessing_options=options)
+
+
 class Checkpoints(abc.ABC):
     """One checkpoint tier. Subclasses supply storage primitives; the protocol lives here."""
 
     name: str
+    # Whether every process can write its own shards of a sharded state here (``write_global``):
+    # the tier must be a place every host reaches.
+    sharded_saves = False
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
@@ -287,6 +300,67 @@ class Checkpoints(abc.ABC):
             bytes=sum(size for size, _ in files.values()),
             seconds=round(time.monotonic() - started, 3),
         )
+
+    # ---- sharded state: every process writes its own shards, rank 0 commits ----------------------
+
+    def prepare_global(self, step: int, epoch: int) -> bool:
+        """Rank 0, before a sharded save: whether to write ``step`` (not committed yet, ``epoch`` not
+        fenced out); leftovers of a dead writer are removed. The other processes wait for this."""
+        if self._marker_exists(step):
+            log.info("checkpoint already committed; not writing it again", step=step, source=self.name)
+            return False
+        try:
+            self.fence(epoch)
+        except StaleEpoch as exc:
+            log.warning("sharded checkpoint not written: its epoch is over", step=step, error=str(exc))
+            return False
+        self._staging_dir(step)
+        return True
+
+    def write_global(self, step: int, state: PyTree) -> None:
+        """Every process: write its own shards of ``state`` (``jax.Array`` leaves) into the step."""
+        path = self._global_dir(step) / STATE
+        with _orbax_global() as checkpointer:
+            checkpointer.save(path, args=ocp.args.PyTreeSave(state))
+
+    def commit_global(
+        self, step: int, epoch: int, extra: Mapping[str, Any] | None = None, approve: Approve | None = None
+    ) -> None:
+        """Rank 0, after every process wrote: the marker, once the epoch is still current."""
+        started = time.monotonic()
+        step_dir = self._global_dir(step)
+        files = _manifest(step_dir)
+        self.fence(epoch)
+        if approve is not None:
+            approve(step, epoch, self.name)
+        self._create_marker(step, _Marker(step, epoch, self._clock(), dict(extra or {}), files).encode())
+        log.info(
+            "sharded checkpoint committed",
+            step=step,
+            epoch=epoch,
+            source=self.name,
+            files=len(files),
+            bytes=sum(size for size, _ in files.values()),
+            seconds=round(time.monotonic() - started, 3),
+        )
+
+    def restore_global(self, step: int, target: PyTree, trusted: Trusted = None) -> PyTree:
+        """Every process: exactly step ``step`` onto the shardings of ``target`` (``jax.ShapeDtypeStruct``
+        leaves with shardings), each process reading the shards its devices hold."""
+        exact = [m for m in self._candidates(step, trusted) if m.step == step]
+        if not exact:
+            raise NoViableCheckpoint(f"step {step} is not committed in {self.name}")
+        directory = self._fetch(exact[0])
+        args = ocp.checkpoint_utils.construct_restore_args(target)
+        with _orbax_global() as checkpointer:
+            state = checkpointer.restore(
+                directory / STATE, args=ocp.args.PyTreeRestore(item=target, restore_args=args)
+            )
+        log.info("sharded checkpoint restored", step=step, source=self.name)
+        return state
+
+    def _global_dir(self, step: int) -> Path:
+        raise CheckpointError(f"the {self.name} tier cannot hold a sharded state")
 
     def committed_steps(self) -> list[int]:
         """Every step with a commit marker, ascending (intact or not)."""
@@ -445,7 +519,13 @@ class Checkpoints(abc.ABC):
 
 
 class LocalCheckpoints(Checkpoints):
-    """Checkpoints in a local (or shared POSIX) directory."""
+    """Checkpoints in a local (or shared POSIX) directory.
+
+    A sharded state is written here by every process for its own shards: the directory must be one
+    every host of the job reaches (a shared filesystem; on one machine, any directory).
+    """
+
+    sharded_saves = True
 
     def __init__(self, directory: str | os.PathLike[str], clock: Callable[[], float] = time.time) -> None:
         super().__init__(clock)
@@ -455,6 +535,9 @@ class LocalCheckpoints(Checkpoints):
 
     def _marker_path(self, step: int) -> Path:
         return self.directory / _step_name(step) / MARKER
+
+    def _global_dir(self, step: int) -> Path:
+        return self.directory / _step_name(step)
 
     def _listing(self) -> tuple[set[int], set[int]]:
         steps = {

@@ -10,6 +10,9 @@
     │                            finishing the job): a newer epoch began; nothing was committed
     ├── AgentUnreachable       neither the agent nor, through it, the coordinator answered a call
     │                          (nothing was committed); retried, or the process restarts
+    ├── StateLost              no tier holds the step the coordinator named, nor any earlier committed
+    │                          one: exit with STATE_LOST_EXIT_CODE; the agent reports it and the
+    │                          coordinator halts the job with the reason (never a silent step 0)
     └── RestartProcess         in-process recovery is impossible: exit with RESTART_EXIT_CODE so the
         │                      agent starts a fresh process on the current topology
         └── AddressInUse         rank 0 found the epoch's JAX coordination port taken by another
@@ -29,6 +32,7 @@ __all__ = [
     "PeerFailure",
     "Recoverable",
     "RestartProcess",
+    "StateLost",
     "TopologyChanged",
 ]
 
@@ -62,6 +66,13 @@ class AgentUnreachable(ElasticError):
 
 class RestartProcess(ElasticError):
     pass
+
+
+class StateLost(ElasticError):
+    def __init__(self, epoch: int, step: int, reason: str) -> None:
+        super().__init__(f"epoch {epoch} restores step {step}, but {reason}")
+        self.epoch = epoch
+        self.step = step
 
 
 class AddressInUse(RestartProcess):

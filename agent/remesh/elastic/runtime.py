@@ -20,28 +20,39 @@ from collections.abc import Callable, Iterator
 
 import jax
 import jax.extend
-import numpy as np
 import structlog
 from jax.errors import JaxRuntimeError
-from jax.sharding import AxisType, Mesh
 
 from remesh.elastic.agent_client import Assignment
 from remesh.elastic.errors import AddressInUse, PeerFailure, TopologyChanged
 
-__all__ = ["Runtime", "configure_cpu", "peer_failures"]
+__all__ = ["Runtime", "configure_backend", "peer_failures"]
 
 log = structlog.get_logger("remesh.elastic")
 
 
-def configure_cpu(devices_per_host: int, collective_timeout_s: float, cache_dir: str | None) -> None:
-    """Set the process-wide CPU backend options. Must run before JAX creates its first backend."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        flags += f" --xla_force_host_platform_device_count={devices_per_host}"
-    if "xla_cpu_collective_timeout_seconds" not in flags:
-        flags += f" --xla_cpu_collective_timeout_seconds={max(1, round(collective_timeout_s))}"
-    os.environ["XLA_FLAGS"] = flags.strip()
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+def configure_backend(devices_per_host: int, collective_timeout_s: float, cache_dir: str | None) -> str:
+    """Set the process-wide backend options; returns the platform. Must run before JAX creates its
+    first backend.
+
+    The platform is ``JAX_PLATFORMS``' first entry when set, else ``cpu`` unless this machine has an
+    accelerator plugin JAX can load (``jax_plugins``: CUDA, ROCm, TPU). CPU only: as many virtual
+    devices as the host is given, gloo collectives, and the collective timeout that turns a dead
+    peer into a ``JaxRuntimeError``. On GPU and TPU neither flag exists: a dead peer surfaces as
+    the coordination service's error, or as the agent's new epoch at the next step boundary (the
+    watchdog ends a step stuck past ``stuck_step_exit_s``).
+    """
+    platform = _platform()
+    if platform == "cpu":
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "xla_force_host_platform_device_count" not in flags:
+            flags += f" --xla_force_host_platform_device_count={devices_per_host}"
+        if "xla_cpu_collective_timeout_seconds" not in flags:
+            flags += f" --xla_cpu_collective_timeout_seconds={max(1, round(collective_timeout_s))}"
+        os.environ["XLA_FLAGS"] = flags.strip()
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    else:
+        log.info("accelerator backend: CPU collective flags not set", platform=platform)
     # A recoverable coordination service does not turn one task's death into an error pushed to every
     # other task, and lets survivors shut down without waiting for the dead at the shutdown barrier.
     jax.config.update("jax_enable_recoverability", True)
@@ -52,6 +63,20 @@ def configure_cpu(devices_per_host: int, collective_timeout_s: float, cache_dir:
         jax.config.update("jax_compilation_cache_dir", cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         _cache_from_every_process()
+    return platform
+
+
+def _platform() -> str:
+    """The platform JAX will pick, without starting a backend (that would fix its options)."""
+    chosen = (os.environ.get("JAX_PLATFORMS") or "").split(",")[0].strip().lower()
+    if chosen:
+        return "gpu" if chosen in ("cuda", "rocm") else chosen
+    import importlib.util
+
+    for plugin, platform in (("jax_cuda12_plugin", "gpu"), ("jax_cuda13_plugin", "gpu"), ("libtpu", "tpu")):
+        if importlib.util.find_spec(plugin) is not None:
+            return platform
+    return "cpu"
 
 
 def _cache_from_every_process() -> None:
@@ -101,8 +126,8 @@ class Runtime:
         self.shutdown_timeout_s = shutdown_timeout_s
         self.assignment: Assignment | None = None
 
-    def start(self, assignment: Assignment, latest_epoch: Callable[[], int] = lambda: 0) -> Mesh:
-        """Join the epoch's runtime and return its mesh.
+    def start(self, assignment: Assignment, latest_epoch: Callable[[], int] = lambda: 0) -> None:
+        """Join the epoch's runtime (the mesh over its devices is ``sharding.build_mesh``'s).
 
         Every member first meets the others at a rendezvous that plain sockets hold on the epoch's
         port (``_Rendezvous``): JAX's own join cannot be left once begun (a missing member aborts the
@@ -136,10 +161,6 @@ class Runtime:
                 shutdown_timeout_seconds=max(1, int(self.shutdown_timeout_s)),
             )
         self.assignment = assignment
-        # Devices ordered by process, so each process's rows of a batch sharded on "data" are the
-        # contiguous block at its rank.
-        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-        return Mesh(np.array(devices), ("data",), axis_types=(AxisType.Auto,))
 
     def _client(self):  # type: ignore[no-untyped-def]
         from jax._src import distributed
@@ -164,18 +185,18 @@ class Runtime:
                 for r in range(self.assignment.world_size)
             ]
 
-    def share_bytes(self, name: str, data: bytes | None, source_rank: int, timeout_s: float) -> bytes:
-        """``data`` from ``source_rank`` to every process, through the coordination service: no
-        compiled program and no collective, so it costs nothing to set up in a fresh runtime."""
+    def allgather_text(self, name: str, value: str, timeout_s: float) -> list[str]:
+        """Every process's ``value``, in rank order, through the coordination service's key-value
+        store (small values: it keeps them all in rank 0's process)."""
         assert self.assignment is not None
-        key = f"remesh/e{self.assignment.epoch}/{name}"
+        prefix = f"remesh/e{self.assignment.epoch}/{name}"
         client = self._client()
         with peer_failures():
-            if self.assignment.rank == source_rank:
-                assert data is not None
-                client.key_value_set_bytes(key, data)
-                return data
-            return bytes(client.blocking_key_value_get_bytes(key, int(timeout_s * 1000)))
+            client.key_value_set(f"{prefix}/{self.assignment.rank}", value)
+            return [
+                str(client.blocking_key_value_get(f"{prefix}/{r}", int(timeout_s * 1000)))
+                for r in range(self.assignment.world_size)
+            ]
 
     def leave_together(self, timeout_s: float) -> float:
         """Leave the runtime at the end of the job, every process at once and rank 0 last.

@@ -19,7 +19,7 @@ Where that is impossible it exits with ``RESTART_EXIT_CODE`` and the agent start
 
 from __future__ import annotations
 
-import io
+import json
 import os
 import sys
 import tempfile
@@ -35,7 +35,7 @@ import jax
 import numpy as np
 import structlog
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from remesh.elastic.agent_client import AgentClient, Assignment
@@ -44,16 +44,42 @@ from remesh.elastic.errors import (
     AddressInUse,
     AgentUnreachable,
     EpochSuperseded,
+    PeerFailure,
     Recoverable,
     RestartProcess,
+    StateLost,
     TopologyChanged,
 )
-from remesh.elastic.runtime import Runtime, configure_cpu, peer_failures
+from remesh.elastic.exchange import (
+    FetchFailed,
+    Pieces,
+    PieceServer,
+    RestorePoint,
+    advertised_host,
+    decode_key,
+    encode_key,
+    fetch,
+)
+from remesh.elastic.runtime import Runtime, configure_backend, peer_failures
+from remesh.elastic.sharding import (
+    AXES,
+    Cell,
+    Layout,
+    Offer,
+    Uncovered,
+    assemble,
+    build_mesh,
+    cell_of,
+    needed_cells,
+    plan_fetch,
+    whole,
+)
 from remesh.elastic.snapshots import Snapshots
 
 __all__ = [
     "ADDRESS_IN_USE_EXIT_CODE",
     "RESTART_EXIT_CODE",
+    "STATE_LOST_EXIT_CODE",
     "CheckpointStore",
     "Policy",
     "Session",
@@ -67,6 +93,8 @@ PyTree = Any
 RESTART_EXIT_CODE = 75
 # Same code as remesh.agent.ADDRESS_IN_USE_EXIT_CODE (errno EADDRINUSE).
 ADDRESS_IN_USE_EXIT_CODE = 98
+# Same code as remesh.agent.STATE_LOST_EXIT_CODE (EX_DATAERR): no tier holds the restore step.
+STATE_LOST_EXIT_CODE = 65
 
 
 class CheckpointStore(Protocol):
@@ -83,6 +111,19 @@ class CheckpointStore(Protocol):
     def restore_state(self, step: int, template: PyTree, trusted: Trusted = None) -> PyTree: ...
 
     def fence(self, epoch: int) -> None: ...
+
+    # A sharded state: every process writes its own shards (tiers with ``sharded_saves``).
+    sharded_saves: bool
+
+    def prepare_global(self, step: int, epoch: int) -> bool: ...
+
+    def write_global(self, step: int, state: PyTree) -> None: ...
+
+    def commit_global(
+        self, step: int, epoch: int, extra: Mapping[str, Any] | None = None, approve: Approve | None = None
+    ) -> None: ...
+
+    def restore_global(self, step: int, target: PyTree, trusted: Trusted = None) -> PyTree: ...
 
 
 @dataclass(frozen=True)
@@ -116,9 +157,14 @@ class Policy:
     # would wait init_timeout_s for it). The process exits for the warm standby to join the new one.
     # Longer than a step's grace: a healthy join of a doomed epoch finishes, then leaves in-process.
     stuck_join_exit_s: float | None = 2.0
-    # A state up to this size goes from the member that holds it to the others through the JAX
-    # coordination service's key-value store (no program to compile); larger ones by a collective.
-    kv_broadcast_max_bytes: int = 256 * 1024 * 1024
+    # Every K steps each host copies one peer's own shards into its RAM (a buddy copy), in the
+    # background, so a host lost under plain FSDP (no second replica) is restored without storage.
+    # 1: at most one step lost; a refresh still running when the next is due is skipped, so a slow
+    # network stretches K rather than queueing copies. 0: never. Only where a shard has one holder.
+    buddy_every: int = 1
+    # At the end of the run, gather the whole state onto every process (a collective) so that
+    # ``final_leaves`` holds it even when it is sharded.
+    gather_final: bool = False
     # In-process recoveries before the session asks for a fresh process instead.
     max_in_process_recoveries: int = 50
     # Persistent XLA compilation cache: a re-initialised process compiles from it.
@@ -149,8 +195,10 @@ class Session:
         checkpoints: Sequence[CheckpointStore] = (),
         agent: AgentClient | None = None,
         job_id: str | None = None,
+        layout: Layout | None = None,
     ) -> None:
         self.policy = policy or Policy()
+        self.layout = layout or Layout()
         self._init_state = init_state
         self._train_step = train_step
         self._batch_for_step = batch_for_step
@@ -164,14 +212,28 @@ class Session:
             else None
         )
         self.snapshots = Snapshots(self.policy.snapshots_kept, shm)
+        # The copies this process keeps of its buddy's own pieces: in memory and in /dev/shm like its
+        # own snapshots, since a survivor's trainer is often restarted (stuck in a collective with
+        # the dead peer) and the copy must outlive it. The newest two: one may be a moment old.
+        self.buddies = Snapshots(2, shm / "buddy" if shm is not None else None)
+        # Every piece this process offered for the restore under way, by restore point: what its
+        # piece server hands to the members that fetch from it.
+        self._offered: dict[RestorePoint, Pieces] = {}
+        self._server = PieceServer(self._serve, on_copied=self.snapshots.pin)
+        self._peers: list[str] = []
         self.runtime = Runtime(self.policy.init_timeout_s)
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="remesh-ckpt")
         self._compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="remesh-compile")
+        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="remesh-buddy")
         self._saving: Future[None] | None = None
+        self._copying: Future[None] | None = None
         self._treedef: Any = None
-        self._template: list[np.ndarray] | None = None
-        self._last_leaves: list[np.ndarray] = []
+        self._template: list[jax.ShapeDtypeStruct] | None = None
+        self._last_pieces: Pieces = {}
+        self._final: list[np.ndarray] | None = None
         self._pretraced = False
+        # The cells of the buddy this process copies, in the current epoch; None: no buddy copies.
+        self._buddy: tuple[int, list[tuple[int, Cell]]] | None = None
         # Timings of the recovery that led into the next epoch (teardown, waiting for the epoch).
         self._recovery: dict[str, float] = {}
         self.rank = -1
@@ -180,12 +242,16 @@ class Session:
         # Seconds the training loop waited for a checkpoint save to finish, and seconds spent saving
         # (in the background); for goodput accounting.
         self.stats: dict[str, float] = {"checkpoint_wait_s": 0.0, "checkpoint_save_s": 0.0}
+        # Where the last restore took its state from: bytes per tier, and the step.
+        self.last_restore: dict[str, Any] = {}
         # (epoch, since, grace, what) of the blocking work running now (joining an epoch, or a
         # step): the watchdog's view of the training loop.
         self._blocked: tuple[int, float, float, str] | None = None
         if self.policy.stuck_step_exit_s is not None or self.policy.stuck_join_exit_s is not None:
             threading.Thread(target=self._watchdog, name="remesh-watchdog", daemon=True).start()
-        configure_cpu(devices_per_host, self.policy.collective_timeout_s, self.policy.compilation_cache_dir)
+        configure_backend(
+            devices_per_host, self.policy.collective_timeout_s, self.policy.compilation_cache_dir
+        )
 
     # ---- the loop --------------------------------------------------------------------------------
 
@@ -216,6 +282,8 @@ class Session:
                 assignment = newer
             except AddressInUse as exc:
                 self._exit(ADDRESS_IN_USE_EXIT_CODE, str(exc))
+            except StateLost as exc:
+                self._exit(STATE_LOST_EXIT_CODE, str(exc))
             except RestartProcess as exc:
                 self._restart_process(str(exc))
 
@@ -282,27 +350,38 @@ class Session:
         phases["started_at"] = time.time()
         t = time.monotonic()
         self._blocking(assignment.epoch, self.policy.stuck_join_exit_s, "joining")
-        mesh = self.runtime.start(assignment, lambda: self.agent.latest.epoch)
+        self.runtime.start(assignment, lambda: self.agent.latest.epoch)
         self.rank = assignment.rank
+        mesh = build_mesh(jax.devices(), assignment.world_size, self.layout.replicas(assignment.world_size))
         phases["reinit"] = time.monotonic() - t
+        shardings = self._shardings(mesh)
+        by_rows = NamedSharding(mesh, P(AXES))
         replicated = NamedSharding(mesh, P())
-        by_rows = NamedSharding(mesh, P("data"))
 
         # Compile (from shapes alone) while the state is being restored: the two take about as long.
-        self._template_leaves()  # traced once, here, before two threads need it
-        compiling = self._compiler.submit(self._compile, assignment, replicated, by_rows)
+        compiling = self._compiler.submit(self._compile, assignment, shardings, by_rows, replicated)
         t = time.monotonic()
-        leaves, step, source = self._restore(assignment)
-        state = jax.tree_util.tree_unflatten(self._treedef, [jax.device_put(x, replicated) for x in leaves])
+        leaves, step, source, tiers = self._restore(assignment, shardings)
+        state = jax.tree_util.tree_unflatten(self._treedef, leaves)
         phases["restore"] = time.monotonic() - t
+        self.last_restore = {"step": step, "source": source, "bytes": dict(tiers)}
         compiled, phases["compile"] = compiling.result()
         if assignment.rank == 0 and self.checkpoints:
             # From now on a writer of an older epoch (a host cut off from the coordinator that has
             # not noticed yet) is refused by every tier. In the background, before any save.
             self._saver.submit(self._fence_all, assignment.epoch)
+        self._buddy = self._buddy_of(assignment, shardings)
         self.runtime.barrier("compiled", self.policy.init_timeout_s)
         self._blocked = None
-        log.info("epoch ready", epoch=assignment.epoch, step=step, source=source, **_rounded(phases))
+        log.info(
+            "epoch ready",
+            epoch=assignment.epoch,
+            step=step,
+            source=source,
+            mesh=dict(mesh.shape),
+            restored_bytes=tiers,
+            **_rounded(phases),
+        )
 
         acked = False
         self._step = step
@@ -315,31 +394,46 @@ class Session:
             self._blocking(assignment.epoch, self.policy.stuck_step_exit_s, "step")
             with peer_failures():
                 state, metrics = compiled(state, batch)
-                host_leaves = [_to_host(x) for x in jax.tree_util.tree_leaves(state)]
-                host_metrics = {k: float(_to_host(v)) for k, v in metrics.items()}
+                leaves = jax.tree_util.tree_leaves(state)
+                pieces = _own_pieces(leaves)
+                host_metrics = {k: float(_scalar(v)) for k, v in metrics.items()}
             self._blocked = None
             step += 1
             self._step = step
-            self._last_leaves = host_leaves
-            self.snapshots.put(step, host_leaves)
+            self._last_pieces = pieces
+            self.snapshots.put(step, assignment.epoch, pieces)
+            self._maybe_copy_buddy(step, assignment)
             if not acked:
                 phases["first_step"] = time.monotonic() - t
-                self._ack(assignment, step - 1, source, phases)
+                self._ack(assignment, step - 1, source, phases, tiers)
                 acked = True
             self.agent.report_progress(step, assignment.epoch)
-            self._maybe_checkpoint(step, assignment, host_leaves)
+            self._maybe_checkpoint(step, assignment, leaves, pieces)
             yield StepResult(step, assignment.epoch, assignment.world_size, host_metrics)
         self._wait_for_save()
         if not acked:  # restored at the last step (a peer died at the end): the epoch still goes live
-            self._ack(assignment, step, source, phases)
+            self._ack(assignment, step, source, phases, tiers)
+        if self.policy.gather_final:
+            with peer_failures():
+                self._final = [
+                    np.asarray(multihost_utils.process_allgather(x, tiled=True))
+                    for x in jax.tree_util.tree_leaves(state)
+                ]
         self._finish(assignment, step)
 
-    def _ack(self, assignment: Assignment, restored: int, source: str, phases: Mapping[str, float]) -> None:
+    def _ack(
+        self,
+        assignment: Assignment,
+        restored: int,
+        source: str,
+        phases: Mapping[str, float],
+        tiers: Mapping[str, int],
+    ) -> None:
         """Acknowledge the epoch. A refusal means a newer epoch began (``EpochSuperseded``: move on);
         no answer at all, even after the agent's own retries, asks for a fresh process rather than
         train in an epoch that can never go live."""
         try:
-            self.agent.ack(assignment.epoch, restored, source, phases)
+            self.agent.ack(assignment.epoch, restored, source, phases, tiers)
         except AgentUnreachable as exc:
             raise RestartProcess(str(exc)) from exc
 
@@ -375,81 +469,244 @@ class Session:
             return
         template = self._template_leaves()
         sample = self._batch_for_step(0)
-        state = jax.tree_util.tree_unflatten(
-            self._treedef, [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in template]
-        )
+        state = jax.tree_util.tree_unflatten(self._treedef, template)
         jax.jit(self._train_step).trace(state, jax.ShapeDtypeStruct(sample.shape, sample.dtype))
         self._pretraced = True
 
+    def _shardings(self, mesh: Mesh) -> list[NamedSharding]:
+        """Each leaf's sharding on ``mesh``, from the layout (asked again for every mesh)."""
+        template = self._template_leaves()  # sets the tree structure
+        shapes = jax.tree_util.tree_unflatten(self._treedef, template)
+        specs = self._treedef.flatten_up_to(self.layout.specs(mesh, shapes))
+        return [NamedSharding(mesh, spec) for spec in specs]
+
     def _compile(
-        self, assignment: Assignment, replicated: NamedSharding, by_rows: NamedSharding
+        self,
+        assignment: Assignment,
+        shardings: list[NamedSharding],
+        by_rows: NamedSharding,
+        replicated: NamedSharding,
     ) -> tuple[Any, float]:
         t = time.monotonic()
         template = self._template_leaves()
         state = jax.tree_util.tree_unflatten(
-            self._treedef, [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated) for x in template]
+            self._treedef,
+            [
+                jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+                for x, s in zip(template, shardings, strict=True)
+            ],
         )
+        tree_shardings = jax.tree_util.tree_unflatten(self._treedef, shardings)
         # Any step's batch has the shape of every step's batch.
         sample = self._batch_for_step(max(assignment.restore_step, 0))
         batch = jax.ShapeDtypeStruct(sample.shape, sample.dtype, sharding=by_rows)
         step_fn = jax.jit(
-            self._train_step, in_shardings=(replicated, by_rows), out_shardings=(replicated, replicated)
+            self._train_step,
+            in_shardings=(tree_shardings, by_rows),
+            out_shardings=(tree_shardings, replicated),
         )
         return step_fn.lower(state, batch).compile(), time.monotonic() - t
 
     # ---- state -----------------------------------------------------------------------------------
 
-    def _template_leaves(self) -> list[np.ndarray]:
+    def _template_leaves(self) -> list[jax.ShapeDtypeStruct]:
         if self._template is None:
             shapes = jax.eval_shape(self._init_state)
             leaves, self._treedef = jax.tree_util.tree_flatten(shapes)
-            self._template = [np.zeros(s.shape, s.dtype) for s in leaves]
+            self._template = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in leaves]
         return self._template
 
-    def _restore(self, assignment: Assignment) -> tuple[list[np.ndarray], int, str]:
-        """Agree with every member on the state of ``restore_step`` and return it (host leaves)."""
-        template = self._template_leaves()
+    def _shapes(self) -> list[tuple[tuple[int, ...], Any]]:
+        return [(tuple(x.shape), np.dtype(x.dtype)) for x in self._template_leaves()]
+
+    def _serve(self, point: RestorePoint) -> Mapping[tuple[int, Cell], np.ndarray]:
+        """What this process's piece server hands out for ``point``."""
+        return {**self.buddies.held(*point), **self.snapshots.held(*point), **self._offered.get(point, {})}
+
+    def _restore(
+        self, assignment: Assignment, shardings: list[NamedSharding]
+    ) -> tuple[list[jax.Array], int, str, dict[str, int]]:
+        """Agree with every member on the state to start the epoch from, and build it on the mesh.
+
+        In order: the newest step at or below the epoch's ``restore_step`` whose pieces the members
+        hold between them (own snapshots, a surviving replica group, buddy copies), moving only the
+        cells each process lacks, host to host; else the newest committed checkpoint; else, only if
+        the job never completed a step, ``init_state``. Returns the leaves, the step, a source
+        label, and the bytes per tier.
+        """
         target = assignment.restore_step
-        mine = self.snapshots.get(target, template) if target >= 0 else None
-        holders = self.runtime.allgather_int("snapshot", 1 if mine else 0, self.policy.init_timeout_s)
-        if any(holders):
-            source_rank = holders.index(1)
-            is_source = assignment.rank == source_rank
-            size = sum(x.nbytes for x in template)
-            if size <= self.policy.kv_broadcast_max_bytes:
-                payload = _pack(mine[0]) if is_source and mine else None
-                leaves = _unpack(
-                    self.runtime.share_bytes("state", payload, source_rank, self.policy.init_timeout_s)
+        offer = self._offer(target)
+        with peer_failures():
+            gathered = self.runtime.allgather_text("offers", json.dumps(offer), self.policy.init_timeout_s)
+        offers = [json.loads(g) for g in gathered]
+        self._peers = [o["addr"] for o in offers]
+        if target >= 0:
+            found = self._restore_from_members(assignment, offers, shardings)
+            if found is not None:
+                return found
+        return self._restore_from_storage(assignment, shardings)
+
+    def _offer(self, target: int) -> dict[str, Any]:
+        """This process's pieces at every restore point up to ``target``, as it tells the others."""
+        self._offered = {}
+        points: dict[RestorePoint, dict[str, Any]] = {}
+        if target >= 0:
+            for snap in self.snapshots.all(target, self._shapes()):
+                point = (snap.step, snap.layout)
+                self._offered[point] = snap.pieces
+                points[point] = {"tier": snap.tier, "own": [encode_key(k) for k in snap.pieces], "buddy": []}
+            for copy in self.buddies.all(target, self._shapes()):
+                point = (copy.step, copy.layout)
+                self._offered[point] = {**copy.pieces, **self._offered.get(point, {})}
+                entry = points.setdefault(point, {"tier": "memory", "own": [], "buddy": []})
+                entry["buddy"] = [encode_key(k) for k in copy.pieces]
+        host = advertised_host(self.agent.latest.jax_coordinator or "127.0.0.1:0")
+        return {
+            "addr": f"{host}:{self._server.port}",
+            "points": [[s, e, v["tier"], v["own"], v["buddy"]] for (s, e), v in sorted(points.items())],
+        }
+
+    def _restore_from_members(
+        self, assignment: Assignment, offers: list[dict[str, Any]], shardings: list[NamedSharding]
+    ) -> tuple[list[jax.Array], int, str, dict[str, int]] | None:
+        shapes = self._shapes()
+        needed = {
+            i: needed_cells(s, shape) for i, (s, (shape, _)) in enumerate(zip(shardings, shapes, strict=True))
+        }
+        points = sorted({(int(p[0]), int(p[1])) for o in offers for p in o["points"]}, reverse=True)
+        for point in points:
+            members = [
+                Offer(
+                    rank,
+                    frozenset(decode_key(k) for k in p[3]),
+                    frozenset(decode_key(k) for k in p[4]),
+                    str(p[2]),
                 )
-            else:
-                with peer_failures():
-                    leaves = multihost_utils.broadcast_one_to_all(
-                        mine[0] if mine else template, is_source=is_source
-                    )
-                leaves = [np.asarray(x) for x in leaves]
-            source = mine[1] if mine else f"peer:rank{source_rank}"
-            return leaves, target, source
-        # No member holds it in memory: the newest committed checkpoint at or below it, chosen by
-        # rank 0 so every member loads the same one.
+                for rank, o in enumerate(offers)
+                for p in o["points"]
+                if (int(p[0]), int(p[1])) == point
+            ]
+            try:
+                plan = plan_fetch(
+                    assignment.rank, needed, members, [s for s, _ in shapes], [d.itemsize for _, d in shapes]
+                )
+            except Uncovered:
+                log.info("the members do not hold every piece of this step", step=point[0], layout=point[1])
+                continue
+            pieces = self._gather(assignment.rank, point, plan.sources)
+            leaves = self._build(pieces, shardings)
+            self.snapshots.drop_after(point[0])
+            self.buddies.drop_after(point[0])
+            source = "+".join(sorted(plan.bytes_by_tier)) or "memory"
+            return leaves, point[0], source, plan.bytes_by_tier
+        return None
+
+    def _gather(
+        self, me: int, point: RestorePoint, sources: Mapping[tuple[int, Cell], tuple[int, str]]
+    ) -> Pieces:
+        """The pieces of ``sources``: this process's own from memory, the rest from their holders,
+        every holder at once."""
+        local = self._offered.get(point, {})
+        pieces: Pieces = {k: local[k] for k, (rank, _) in sources.items() if rank == me}
+        wanted: dict[int, list[tuple[int, Cell]]] = {}
+        for key, (rank, _) in sources.items():
+            if rank != me:
+                wanted.setdefault(rank, []).append(key)
+        if not wanted:
+            return pieces
+        with ThreadPoolExecutor(max_workers=len(wanted), thread_name_prefix="remesh-fetch") as pool:
+            futures = {
+                rank: pool.submit(fetch, self._peers[rank], point, keys, self.policy.init_timeout_s)
+                for rank, keys in wanted.items()
+            }
+            for rank, future in futures.items():
+                try:
+                    pieces.update(future.result())
+                except FetchFailed as exc:
+                    raise PeerFailure(
+                        f"rank {rank} could not serve its pieces of step {point[0]}: {exc}"
+                    ) from exc
+        return pieces
+
+    def _build(self, pieces: Pieces, shardings: list[NamedSharding]) -> list[jax.Array]:
+        """The state's leaves on the new mesh, each device's part assembled from ``pieces``."""
+        by_leaf: dict[int, list[tuple[Cell, np.ndarray]]] = {}
+        for (leaf, cell), values in pieces.items():
+            by_leaf.setdefault(leaf, []).append((cell, values))
+        leaves: list[jax.Array] = []
+        for i, (sharding, (shape, dtype)) in enumerate(zip(shardings, self._shapes(), strict=True)):
+            parts: dict[Cell, np.ndarray] = {}
+
+            def part(
+                index: tuple[slice, ...] | None,
+                i: int = i,
+                shape: tuple[int, ...] = shape,
+                dtype: Any = dtype,
+                parts: dict[Cell, np.ndarray] = parts,
+            ) -> np.ndarray:
+                cell = cell_of(index, shape)
+                if cell not in parts:
+                    parts[cell] = assemble(cell, by_leaf.get(i, []), dtype)
+                return parts[cell]
+
+            leaves.append(jax.make_array_from_callback(shape, sharding, part))
+        return leaves
+
+    def _restore_from_storage(
+        self, assignment: Assignment, shardings: list[NamedSharding]
+    ) -> tuple[list[jax.Array], int, str, dict[str, int]]:
+        """The newest committed checkpoint at or below the restore step, chosen by rank 0 so every
+        member loads the same one; ``init_state`` only where the job never completed a step."""
+        target = assignment.restore_step
         candidate = self._newest_checkpoint(target, assignment.commits) if assignment.rank == 0 else -1
         chosen = self.runtime.allgather_int("checkpoint", candidate, self.policy.init_timeout_s)[0]
         if chosen < 0:
-            log.info(
-                "no snapshot or checkpoint to restore: starting from scratch",
-                target=target,
-                snapshots_here=self.snapshots.steps(),
-            )
+            if target > 0:
+                raise StateLost(
+                    assignment.epoch,
+                    target,
+                    f"no member holds step {target} or an earlier one in memory, and no committed "
+                    f"checkpoint at or below it is readable (tiers: "
+                    f"{', '.join(s.name for s in self.checkpoints) or 'none configured'})",
+                )
+            log.info("starting from scratch: the job has not completed a step", target=target)
             self.snapshots.clear()
-            init = jax.jit(self._init_state)()
-            return [np.asarray(x) for x in jax.tree_util.tree_leaves(init)], 0, "scratch"
+            self.buddies.clear()
+            tree_shardings = jax.tree_util.tree_unflatten(self._treedef, shardings)
+            init = jax.jit(self._init_state, out_shardings=tree_shardings)()
+            return jax.tree_util.tree_leaves(init), 0, "scratch", {}
         for store in self.checkpoints:
-            if (store.latest_viable(chosen, assignment.commits) or -1) == chosen:
-                self.snapshots.clear()
+            if (store.latest_viable(chosen, assignment.commits) or -1) != chosen:
+                continue
+            self.snapshots.clear()
+            self.buddies.clear()
+            template = self._template_leaves()
+            if self._sharded(shardings):
+                abstract = jax.tree_util.tree_unflatten(
+                    self._treedef,
+                    [
+                        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+                        for x, s in zip(template, shardings, strict=True)
+                    ],
+                )
+                with peer_failures():
+                    tree = store.restore_global(chosen, abstract, assignment.commits)
+                leaves = jax.tree_util.tree_leaves(tree)
+            else:
                 tree = store.restore_state(
                     chosen, jax.tree_util.tree_unflatten(self._treedef, template), assignment.commits
                 )
-                return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)], chosen, store.name
+                host = jax.tree_util.tree_leaves(tree)
+                leaves = self._build(
+                    {(i, whole(x.shape)): np.asarray(x) for i, x in enumerate(host)}, shardings
+                )
+            nbytes = sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.replica_id == 0)
+            return leaves, chosen, store.name, {store.name: int(nbytes)}
         raise RestartProcess(f"checkpoint of step {chosen} chosen by rank 0 is not readable here")
+
+    @staticmethod
+    def _sharded(shardings: Sequence[NamedSharding]) -> bool:
+        return any(not s.is_fully_replicated for s in shardings)
 
     def _newest_checkpoint(self, target: int, trusted: Trusted) -> int:
         """The newest checkpoint at or below ``target`` whose commit the coordinator accepted."""
@@ -460,15 +717,105 @@ class Session:
                 best = step
         return best
 
-    def _maybe_checkpoint(self, step: int, assignment: Assignment, leaves: list[np.ndarray]) -> None:
+    # ---- buddy copies ----------------------------------------------------------------------------
+
+    def _buddy_of(
+        self, assignment: Assignment, shardings: list[NamedSharding]
+    ) -> tuple[int, list[tuple[int, Cell]]] | None:
+        """The peer whose own pieces this process copies (the next rank) and their keys; None where
+        no copy is needed (every cell of the peer is here already, or copies are off)."""
+        if not self.policy.buddy_every or assignment.world_size < 2 or self.policy.snapshots_kept <= 0:
+            return None
+        buddy = (assignment.rank + 1) % assignment.world_size
+        keys: set[tuple[int, Cell]] = set()
+        mine: set[tuple[int, Cell]] = set()
+        for i, (sharding, (shape, _)) in enumerate(zip(shardings, self._shapes(), strict=True)):
+            for device, index in sharding.devices_indices_map(shape).items():
+                if _process_of(device) == buddy:
+                    keys.add((i, cell_of(index, shape)))
+                elif _process_of(device) == assignment.rank:
+                    mine.add((i, cell_of(index, shape)))
+        # Cells the other replica groups hold too need no copy: only those with a single holder.
+        holders: dict[tuple[int, Cell], set[int]] = {}
+        for i, (sharding, (shape, _)) in enumerate(zip(shardings, self._shapes(), strict=True)):
+            for device, index in sharding.devices_indices_map(shape).items():
+                holders.setdefault((i, cell_of(index, shape)), set()).add(_process_of(device))
+        only_there = sorted(k for k in keys if k not in mine and holders[k] == {buddy})
+        return (buddy, only_there) if only_there else None
+
+    def _maybe_copy_buddy(self, step: int, assignment: Assignment) -> None:
+        if self._buddy is None or step % self.policy.buddy_every:
+            return
+        if self._copying is not None and not self._copying.done():
+            return  # the previous copy is still on its way: this one is skipped, not queued
+        buddy, keys = self._buddy
+        self._copying = self._copier.submit(
+            self._copy_buddy, self._peers[buddy], (step, assignment.epoch), keys
+        )
+
+    def _copy_buddy(self, address: str, point: RestorePoint, keys: list[tuple[int, Cell]]) -> None:
+        """Copy the buddy's own pieces of ``point``; it may be a moment behind, so retry briefly."""
+        deadline = time.monotonic() + 2.0
+        while True:
+            try:
+                pieces = fetch(address, point, keys, self.policy.init_timeout_s, pin=True)
+            except FetchFailed as exc:
+                if time.monotonic() > deadline or self.agent.latest.epoch > point[1]:
+                    log.debug("buddy copy skipped", step=point[0], error=str(exc))
+                    return
+                time.sleep(0.01)
+                continue
+            self.buddies.put(point[0], point[1], pieces)
+            return
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+
+    def _maybe_checkpoint(
+        self, step: int, assignment: Assignment, leaves: list[jax.Array], pieces: Pieces
+    ) -> None:
         every = self.policy.checkpoint_every
-        if not every or step % every or assignment.rank != 0 or not self.checkpoints:
+        if not every or step % every or not self.checkpoints:
+            return
+        sharded = any(not x.sharding.is_fully_replicated for x in leaves)
+        if not sharded and assignment.rank != 0:
             return
         if self._saving is not None and not self._saving.done():
-            log.warning("previous checkpoint still writing; skipping this one", step=step)
-            return
-        tree = jax.tree_util.tree_unflatten(self._treedef, leaves)
-        self._saving = self._saver.submit(self._save_all, step, assignment.epoch, tree)
+            if sharded:  # every process takes part in a sharded save: none may go ahead alone
+                self._wait_for_save()
+            else:
+                log.warning("previous checkpoint still writing; skipping this one", step=step)
+                return
+        if sharded:
+            tree = jax.tree_util.tree_unflatten(self._treedef, leaves)
+            self._saving = self._saver.submit(self._save_sharded, step, assignment, tree)
+        else:
+            host = [pieces[(i, whole(x.shape))] for i, x in enumerate(leaves)]
+            tree = jax.tree_util.tree_unflatten(self._treedef, host)
+            self._saving = self._saver.submit(self._save_all, step, assignment.epoch, tree)
+
+    def _save_sharded(self, step: int, assignment: Assignment, tree: PyTree) -> None:
+        """Every process writes its own shards (Orbax), rank 0 commits; tiers that can take a
+        sharded state only (a directory every host reaches)."""
+        t = time.monotonic()
+        try:
+            for store in self.checkpoints:
+                if not getattr(store, "sharded_saves", False):
+                    continue
+                ok = 1 if assignment.rank != 0 else int(store.prepare_global(step, assignment.epoch))
+                if not self.runtime.allgather_int(
+                    f"ckpt-{store.name}-{step}", ok, self.policy.init_timeout_s
+                )[0]:
+                    continue
+                store.write_global(step, tree)
+                if assignment.rank == 0:
+                    try:
+                        store.commit_global(step, assignment.epoch, {"step": step}, approve=self._approve)
+                    except StaleEpoch as exc:
+                        log.warning("checkpoint not committed: its epoch is over", step=step, error=str(exc))
+        except Exception as exc:  # a failed save loses nothing committed; training goes on
+            log.warning("sharded checkpoint save failed", step=step, error=str(exc).splitlines()[0])
+        finally:
+            self.stats["checkpoint_save_s"] += time.monotonic() - t
 
     def _wait_for_save(self) -> None:
         if self._saving is not None:
@@ -532,36 +879,51 @@ class Session:
         return jax.make_array_from_process_local_data(sharding, local, global_batch.shape)
 
     def final_leaves(self) -> list[np.ndarray]:
-        """The state after the last completed step, as host arrays in tree-flatten order."""
-        return list(self._last_leaves)
+        """The state after the last completed step, as host arrays in tree-flatten order: whole
+        leaves where this process holds them whole (replicated), else what ``gather_final`` gathered."""
+        if self._final is not None:
+            return list(self._final)
+        out = []
+        for i, (shape, _) in enumerate(self._shapes()):
+            piece = self._last_pieces.get((i, whole(shape)))
+            if piece is None:
+                raise ValueError("the state is sharded: set Policy(gather_final=True) to get it whole")
+            out.append(piece)
+        return out
 
     def final_state(self) -> PyTree:
-        return jax.tree_util.tree_unflatten(self._treedef, self._last_leaves)
+        return jax.tree_util.tree_unflatten(self._treedef, self.final_leaves())
 
     def close(self) -> None:
         self._saver.shutdown(wait=True)
         self._compiler.shutdown(wait=True)
+        self._copier.shutdown(wait=False)
+        self._server.close()
         self.agent.close()
 
 
-def _pack(leaves: list[np.ndarray]) -> bytes:
-    buffer = io.BytesIO()
-    np.savez(buffer, *leaves)
-    return buffer.getvalue()
-
-
-def _unpack(data: bytes) -> list[np.ndarray]:
-    with np.load(io.BytesIO(data)) as arrays:
-        return [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
-
-
-def _to_host(x: jax.Array) -> np.ndarray:
-    """A replicated array's value, from this process's own copy (no cross-process fetch).
+def _own_pieces(leaves: Sequence[jax.Array]) -> Pieces:
+    """This process's distinct shards of every leaf, copied to host memory.
 
     Copied: on CPU ``np.asarray`` may alias the device buffer, which the runtime frees when it is
-    torn down, and this copy is exactly what must outlive the runtime.
+    torn down (and while a view lives, donation is silently skipped); the copy must outlive both.
     """
-    return np.array(x.addressable_shards[0].data, copy=True)
+    pieces: Pieces = {}
+    for i, x in enumerate(leaves):
+        for shard in x.addressable_shards:
+            key = (i, cell_of(shard.index, x.shape))
+            if key not in pieces:
+                pieces[key] = np.array(shard.data, copy=True)
+    return pieces
+
+
+def _process_of(device: Any) -> int:
+    return int(device.process_index)
+
+
+def _scalar(x: jax.Array) -> np.ndarray:
+    """A replicated metric's value, from this process's own copy (no cross-process fetch)."""
+    return np.asarray(x.addressable_shards[0].data)
 
 
 def _rounded(phases: Mapping[str, float]) -> dict[str, float]:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from remesh.v1 import coordinator_pb2 as remesh_dot_v1_dot_coordinator__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15remesh/v1/agent.proto\x12\tremesh.v1\x1a\x1bremesh/v1/coordinator.proto\"f\n\nAssignment\x12%\n\x08topology\x18\x01 \x01(\x0b\x32\x13.remesh.v1.Topology\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\"<\n\x17WatchAssignmentsRequest\x12\x13\n\x0b\x61\x66ter_epoch\x18\x01 \x01(\x03\x12\x0c\n\x04slot\x18\x02 \x01(\x05\"4\n\x15ReportProgressRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\"/\n\x16ReportProgressResponse\x12\x15\n\rcurrent_epoch\x18\x01 \x01(\x03\"\xb6\x01\n\x0fLocalAckRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x15\n\rrestored_step\x18\x02 \x01(\x03\x12\x16\n\x0erestore_source\x18\x03 \x01(\t\x12\x36\n\x06phases\x18\x04 \x03(\x0b\x32&.remesh.v1.LocalAckRequest.PhasesEntry\x1a-\n\x0bPhasesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\" \n\x10LocalAckResponse\x12\x0c\n\x04live\x18\x01 \x01(\x08\"?\n\x12LocalCommitRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04tier\x18\x03 \x01(\t\"\x15\n\x13LocalCommitResponse\"C\n\x11LocalStallRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x11\n\tblocked_s\x18\x03 \x01(\x01\"\x14\n\x12LocalStallResponse\"1\n\x12LocalFinishRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\"\x15\n\x13LocalFinishResponse2\xe1\x03\n\nAgentLocal\x12O\n\x10WatchAssignments\x12\".remesh.v1.WatchAssignmentsRequest\x1a\x15.remesh.v1.Assignment0\x01\x12U\n\x0eReportProgress\x12 .remesh.v1.ReportProgressRequest\x1a!.remesh.v1.ReportProgressResponse\x12\x43\n\x08\x41\x63kEpoch\x12\x1a.remesh.v1.LocalAckRequest\x1a\x1b.remesh.v1.LocalAckResponse\x12Q\n\x10\x43ommitCheckpoint\x12\x1d.remesh.v1.LocalCommitRequest\x1a\x1e.remesh.v1.LocalCommitResponse\x12J\n\x0bReportStall\x12\x1c.remesh.v1.LocalStallRequest\x1a\x1d.remesh.v1.LocalStallResponse\x12G\n\x06\x46inish\x12\x1d.remesh.v1.LocalFinishRequest\x1a\x1e.remesh.v1.LocalFinishResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15remesh/v1/agent.proto\x12\tremesh.v1\x1a\x1bremesh/v1/coordinator.proto\"f\n\nAssignment\x12%\n\x08topology\x18\x01 \x01(\x0b\x32\x13.remesh.v1.Topology\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\"<\n\x17WatchAssignmentsRequest\x12\x13\n\x0b\x61\x66ter_epoch\x18\x01 \x01(\x03\x12\x0c\n\x04slot\x18\x02 \x01(\x05\"4\n\x15ReportProgressRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\"/\n\x16ReportProgressResponse\x12\x15\n\rcurrent_epoch\x18\x01 \x01(\x03\"\xb3\x02\n\x0fLocalAckRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x15\n\rrestored_step\x18\x02 \x01(\x03\x12\x16\n\x0erestore_source\x18\x03 \x01(\t\x12\x36\n\x06phases\x18\x04 \x03(\x0b\x32&.remesh.v1.LocalAckRequest.PhasesEntry\x12\x45\n\x0erestored_bytes\x18\x05 \x03(\x0b\x32-.remesh.v1.LocalAckRequest.RestoredBytesEntry\x1a-\n\x0bPhasesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x34\n\x12RestoredBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\" \n\x10LocalAckResponse\x12\x0c\n\x04live\x18\x01 \x01(\x08\"?\n\x12LocalCommitRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04tier\x18\x03 \x01(\t\"\x15\n\x13LocalCommitResponse\"C\n\x11LocalStallRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x11\n\tblocked_s\x18\x03 \x01(\x01\"\x14\n\x12LocalStallResponse\"1\n\x12LocalFinishRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\"\x15\n\x13LocalFinishResponse2\xe1\x03\n\nAgentLocal\x12O\n\x10WatchAssignments\x12\".remesh.v1.WatchAssignmentsRequest\x1a\x15.remesh.v1.Assignment0\x01\x12U\n\x0eReportProgress\x12 .remesh.v1.ReportProgressRequest\x1a!.remesh.v1.ReportProgressResponse\x12\x43\n\x08\x41\x63kEpoch\x12\x1a.remesh.v1.LocalAckRequest\x1a\x1b.remesh.v1.LocalAckResponse\x12Q\n\x10\x43ommitCheckpoint\x12\x1d.remesh.v1.LocalCommitRequest\x1a\x1e.remesh.v1.LocalCommitResponse\x12J\n\x0bReportStall\x12\x1c.remesh.v1.LocalStallRequest\x1a\x1d.remesh.v1.LocalStallResponse\x12G\n\x06\x46inish\x12\x1d.remesh.v1.LocalFinishRequest\x1a\x1e.remesh.v1.LocalFinishResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,6 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LOCALACKREQUEST_PHASESENTRY']._loaded_options = None
   _globals['_LOCALACKREQUEST_PHASESENTRY']._serialized_options = b'8\001'
+  _globals['_LOCALACKREQUEST_RESTOREDBYTESENTRY']._loaded_options = None
+  _globals['_LOCALACKREQUEST_RESTOREDBYTESENTRY']._serialized_options = b'8\001'
   _globals['_ASSIGNMENT']._serialized_start=65
   _globals['_ASSIGNMENT']._serialized_end=167
   _globals['_WATCHASSIGNMENTSREQUEST']._serialized_start=169
@@ -43,23 +45,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REPORTPROGRESSRESPONSE']._serialized_start=285
   _globals['_REPORTPROGRESSRESPONSE']._serialized_end=332
   _globals['_LOCALACKREQUEST']._serialized_start=335
-  _globals['_LOCALACKREQUEST']._serialized_end=517
-  _globals['_LOCALACKREQUEST_PHASESENTRY']._serialized_start=472
-  _globals['_LOCALACKREQUEST_PHASESENTRY']._serialized_end=517
-  _globals['_LOCALACKRESPONSE']._serialized_start=519
-  _globals['_LOCALACKRESPONSE']._serialized_end=551
-  _globals['_LOCALCOMMITREQUEST']._serialized_start=553
-  _globals['_LOCALCOMMITREQUEST']._serialized_end=616
-  _globals['_LOCALCOMMITRESPONSE']._serialized_start=618
-  _globals['_LOCALCOMMITRESPONSE']._serialized_end=639
-  _globals['_LOCALSTALLREQUEST']._serialized_start=641
-  _globals['_LOCALSTALLREQUEST']._serialized_end=708
-  _globals['_LOCALSTALLRESPONSE']._serialized_start=710
-  _globals['_LOCALSTALLRESPONSE']._serialized_end=730
-  _globals['_LOCALFINISHREQUEST']._serialized_start=732
-  _globals['_LOCALFINISHREQUEST']._serialized_end=781
-  _globals['_LOCALFINISHRESPONSE']._serialized_start=783
-  _globals['_LOCALFINISHRESPONSE']._serialized_end=804
-  _globals['_AGENTLOCAL']._serialized_start=807
-  _globals['_AGENTLOCAL']._serialized_end=1288
+  _globals['_LOCALACKREQUEST']._serialized_end=642
+  _globals['_LOCALACKREQUEST_PHASESENTRY']._serialized_start=543
+  _globals['_LOCALACKREQUEST_PHASESENTRY']._serialized_end=588
+  _globals['_LOCALACKREQUEST_RESTOREDBYTESENTRY']._serialized_start=590
+  _globals['_LOCALACKREQUEST_RESTOREDBYTESENTRY']._serialized_end=642
+  _globals['_LOCALACKRESPONSE']._serialized_start=644
+  _globals['_LOCALACKRESPONSE']._serialized_end=676
+  _globals['_LOCALCOMMITREQUEST']._serialized_start=678
+  _globals['_LOCALCOMMITREQUEST']._serialized_end=741
+  _globals['_LOCALCOMMITRESPONSE']._serialized_start=743
+  _globals['_LOCALCOMMITRESPONSE']._serialized_end=764
+  _globals['_LOCALSTALLREQUEST']._serialized_start=766
+  _globals['_LOCALSTALLREQUEST']._serialized_end=833
+  _globals['_LOCALSTALLRESPONSE']._serialized_start=835
+  _globals['_LOCALSTALLRESPONSE']._serialized_end=855
+  _globals['_LOCALFINISHREQUEST']._serialized_start=857
+  _globals['_LOCALFINISHREQUEST']._serialized_end=906
+  _globals['_LOCALFINISHRESPONSE']._serialized_start=908
+  _globals['_LOCALFINISHRESPONSE']._serialized_end=929
+  _globals['_AGENTLOCAL']._serialized_start=932
+  _globals['_AGENTLOCAL']._serialized_end=1413
 # @@protoc_insertion_point(module_scope)

@@ -42,7 +42,7 @@ class ReportProgressResponse(_message.Message):
     def __init__(self, current_epoch: _Optional[int] = ...) -> None: ...
 
 class LocalAckRequest(_message.Message):
-    __slots__ = ("epoch", "restored_step", "restore_source", "phases")
+    __slots__ = ("epoch", "restored_step", "restore_source", "phases", "restored_bytes")
     class PhasesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -50,15 +50,24 @@ class LocalAckRequest(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class RestoredBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     RESTORED_STEP_FIELD_NUMBER: _ClassVar[int]
     RESTORE_SOURCE_FIELD_NUMBER: _ClassVar[int]
     PHASES_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_BYTES_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     restored_step: int
     restore_source: str
     phases: _containers.ScalarMap[str, float]
-    def __init__(self, epoch: _Optional[int] = ..., restored_step: _Optional[int] = ..., restore_source: _Optional[str] = ..., phases: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    restored_bytes: _containers.ScalarMap[str, int]
+    def __init__(self, epoch: _Optional[int] = ..., restored_step: _Optional[int] = ..., restore_source: _Optional[str] = ..., phases: _Optional[_Mapping[str, float]] = ..., restored_bytes: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class LocalAckResponse(_message.Message):
     __slots__ = ("live",)

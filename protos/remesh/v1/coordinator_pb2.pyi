@@ -66,6 +66,7 @@ class FaultKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAULT_KIND_HOST: _ClassVar[FaultKind]
     FAULT_KIND_ADDRESS_IN_USE: _ClassVar[FaultKind]
     FAULT_KIND_STALLED: _ClassVar[FaultKind]
+    FAULT_KIND_STATE_LOST: _ClassVar[FaultKind]
 ROLE_UNSPECIFIED: Role
 ROLE_ACTIVE: Role
 ROLE_SPARE: Role
@@ -108,6 +109,7 @@ FAULT_KIND_TRAINER_HUNG: FaultKind
 FAULT_KIND_HOST: FaultKind
 FAULT_KIND_ADDRESS_IN_USE: FaultKind
 FAULT_KIND_STALLED: FaultKind
+FAULT_KIND_STATE_LOST: FaultKind
 
 class Member(_message.Message):
     __slots__ = ("host_id", "incarnation", "role", "state", "device_count", "address", "rank", "reason", "updated_at", "last_step")
@@ -319,7 +321,7 @@ class ReplayEventsRequest(_message.Message):
     def __init__(self, after_id: _Optional[str] = ..., since: _Optional[float] = ..., host_ids: _Optional[_Iterable[str]] = ..., types: _Optional[_Iterable[_Union[EventType, str]]] = ..., follow: _Optional[bool] = ...) -> None: ...
 
 class AckEpochRequest(_message.Message):
-    __slots__ = ("host_id", "incarnation", "epoch", "restored_step", "restore_source", "phases")
+    __slots__ = ("host_id", "incarnation", "epoch", "restored_step", "restore_source", "phases", "restored_bytes")
     class PhasesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -327,19 +329,28 @@ class AckEpochRequest(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class RestoredBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     RESTORED_STEP_FIELD_NUMBER: _ClassVar[int]
     RESTORE_SOURCE_FIELD_NUMBER: _ClassVar[int]
     PHASES_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_BYTES_FIELD_NUMBER: _ClassVar[int]
     host_id: str
     incarnation: int
     epoch: int
     restored_step: int
     restore_source: str
     phases: _containers.ScalarMap[str, float]
-    def __init__(self, host_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., epoch: _Optional[int] = ..., restored_step: _Optional[int] = ..., restore_source: _Optional[str] = ..., phases: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    restored_bytes: _containers.ScalarMap[str, int]
+    def __init__(self, host_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., epoch: _Optional[int] = ..., restored_step: _Optional[int] = ..., restore_source: _Optional[str] = ..., phases: _Optional[_Mapping[str, float]] = ..., restored_bytes: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class AckEpochResponse(_message.Message):
     __slots__ = ("live",)

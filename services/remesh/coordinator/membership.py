@@ -61,6 +61,7 @@ class FaultKind(enum.StrEnum):
     HOST = "host"
     ADDRESS_IN_USE = "address_in_use"
     STALLED = "stalled"
+    STATE_LOST = "state_lost"
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,8 @@ class FaultOutcome:
     events: list[Event]
     member_dead: bool
     reason: str
+    # Set when the job cannot go on: the reason the planner halts it with.
+    halt: str | None = None
 
 
 def validate_host_id(host_id: str, max_length: int) -> None:
@@ -290,6 +293,26 @@ def report_fault(
         return FaultOutcome(
             [], False, f"the job finished at step {state.finished_step}: {kind.value} is not a fault"
         )
+    if kind is FaultKind.STATE_LOST:
+        # A member of the current epoch found no tier holding the step the epoch restores (nor any
+        # earlier committed one). Starting from step 0 would silently throw the run away, and no
+        # other epoch can find more state than this one did: the job halts, saying why.
+        current = topology is not None and not topology.halted and epoch == topology.epoch and in_topology
+        if not current:
+            reason = f"state_lost for epoch {epoch} from {host_id}: not the current epoch, ignored"
+            return FaultOutcome(
+                [_fault_event(now, state, host_id, incarnation, reason, details)], False, reason
+            )
+        assert topology is not None
+        reason = f"state_lost: {detail or 'no tier holds the restore step'}"
+        halt = (
+            f"halted: no tier holds step {topology.restore_step} of the job (no host-memory snapshot, "
+            f"surviving replica or buddy copy, and no committed checkpoint at or below it). Restart the "
+            f"job from a checkpoint you trust, or from scratch on purpose; {host_id} reported: {detail}"
+        )
+        return FaultOutcome(
+            [_fault_event(now, state, host_id, incarnation, reason, details)], False, reason, halt
+        )
     if kind is FaultKind.ADDRESS_IN_USE:
         # Rank 0's trainer found the epoch's JAX coordination port taken by another process: no
         # fault of the host. For the current epoch, reported by its rank 0, the event marks the
@@ -326,19 +349,24 @@ def report_fault(
     else:
         reason = f"{kind.value}: {detail or f'exit code {exit_code}'}"
         dead = True
-    reported = Event(
+    events = [_fault_event(now, state, host_id, incarnation, reason, details)]
+    if dead:
+        events += declare(now, state, host_id, incarnation, MemberState.DEAD, reason)
+    return FaultOutcome(events, dead, reason)
+
+
+def _fault_event(
+    now: float, state: ClusterState, host_id: str, incarnation: int, reason: str, details: Mapping[str, str]
+) -> Event:
+    return Event(
         EventType.FAULT_REPORTED,
         now,
         state.epoch,
         reason,
         host_id=host_id,
         incarnation=incarnation,
-        details=details,
+        details=dict(details),
     )
-    events = [reported]
-    if dead:
-        events += declare(now, state, host_id, incarnation, MemberState.DEAD, reason)
-    return FaultOutcome(events, dead, reason)
 
 
 def ack_epoch(
@@ -351,14 +379,24 @@ def ack_epoch(
     restore_source: str,
     phases: Mapping[str, float],
     max_length: int = 128,
+    restored_bytes: Mapping[str, int] | None = None,
 ) -> tuple[list[Event], bool]:
-    """A trainer runs ``epoch``; once all members of the epoch acknowledged it, the epoch is live."""
+    """A trainer runs ``epoch``; once all members of the epoch acknowledged it, the epoch is live.
+
+    ``restored_bytes``: where its state came from, bytes per tier (recorded with the event)."""
     member = _current(state, host_id, incarnation, max_length)
     if not member.state.is_up:
         raise Rejected(
             f"{host_id} is {member.state.value}: a member that is not up cannot acknowledge an epoch"
         )
     _text("restore_source", restore_source)
+    tiers = dict(restored_bytes or {})
+    if len(tiers) > 16:
+        raise InvalidRequest(f"restored_bytes names {len(tiers)} tiers; the limit is 16")
+    for tier, nbytes in tiers.items():
+        _text("restored_bytes tier", tier)
+        if not tier or nbytes < 0:
+            raise InvalidRequest(f"restored_bytes: {tier!r} -> {nbytes} is not a tier and a byte count")
     topology = state.topology
     if topology is None or topology.halted:
         raise Rejected("there is no running topology to acknowledge")
@@ -373,6 +411,8 @@ def ack_epoch(
         "restore_source": restore_source,
         "phases": json.dumps(dict(phases), sort_keys=True),
     }
+    if tiers:
+        details["restored_bytes"] = json.dumps(tiers, sort_keys=True)
     events = [
         Event(
             EventType.EPOCH_ACKED,

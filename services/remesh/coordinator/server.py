@@ -73,6 +73,7 @@ _FAULT = {
     pb.FAULT_KIND_HOST: FaultKind.HOST,
     pb.FAULT_KIND_ADDRESS_IN_USE: FaultKind.ADDRESS_IN_USE,
     pb.FAULT_KIND_STALLED: FaultKind.STALLED,
+    pb.FAULT_KIND_STATE_LOST: FaultKind.STATE_LOST,
 }
 
 
@@ -354,6 +355,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 request.restored_step,
                 request.restore_source,
                 dict(request.phases),
+                dict(request.restored_bytes),
             ),
         )
         return pb.AckEpochResponse(live=live)

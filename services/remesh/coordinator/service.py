@@ -44,7 +44,7 @@ from remesh.coordinator.model import (
     Topology,
     replay,
 )
-from remesh.coordinator.planner import Kind, plan, plan_events
+from remesh.coordinator.planner import Decision, Kind, plan, plan_events
 from remesh.coordinator.settings import Settings
 from remesh.coordinator.store import RedisStore
 
@@ -516,7 +516,11 @@ class Coordinator:
                 now, s, host_id, incarnation, kind, epoch, exit_code, detail, self._max_id, blocked_since
             )
             outcome[:] = [result]
-            return result.events
+            if result.halt is None:
+                return result.events
+            return result.events + plan_events(
+                now, s, Decision(Kind.HALT, result.halt), self.settings.planner, self.settings.job_id
+            )
 
         await self._change(transition)
         return outcome[0]
@@ -529,12 +533,22 @@ class Coordinator:
         restored_step: int,
         restore_source: str,
         phases: Mapping[str, float],
+        restored_bytes: Mapping[str, int] | None = None,
     ) -> bool:
         live: list[bool] = []
 
         def transition(s: ClusterState, now: float) -> list[Event]:
             events, is_live = membership.ack_epoch(
-                now, s, host_id, incarnation, epoch, restored_step, restore_source, phases, self._max_id
+                now,
+                s,
+                host_id,
+                incarnation,
+                epoch,
+                restored_step,
+                restore_source,
+                phases,
+                self._max_id,
+                restored_bytes=restored_bytes,
             )
             live[:] = [is_live]
             return events

@@ -1,0 +1,159 @@
+"""Pieces of the training state moved between trainers, host to host, over plain TCP.
+
+Every trainer runs a ``PieceServer``: it serves the pieces its process holds (its own snapshots and
+the buddy copies it keeps) to any member that asks, by restore point and key. A restore fetches the
+cells a process lacks from the members ``sharding.plan_fetch`` picked; a buddy refresh fetches a
+peer's own pieces of a step. Not the JAX coordination service's key-value
+store: it holds every value in process 0 and compresses it (seconds for tens of megabytes here).
+
+Wire format, one request per connection: the client sends one JSON line
+``{"step": S, "layout": E, "keys": [[leaf, cell], ...]}``; the server answers one JSON line, either
+``{"ok": true, "arrays": [[dtype, shape], ...]}`` followed by the raw bytes of each array in order,
+or ``{"ok": false, "error": "..."}``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import structlog
+
+from remesh.elastic.sharding import Cell
+
+__all__ = ["FetchFailed", "PieceServer", "Pieces", "RestorePoint", "advertised_host", "fetch"]
+
+log = structlog.get_logger("remesh.elastic")
+
+# (leaf index, cell) -> values
+Pieces = dict[tuple[int, Cell], np.ndarray]
+# (step, epoch whose mesh laid the pieces out)
+RestorePoint = tuple[int, int]
+_CHUNK = 4 << 20
+_HEADER_MAX = 64 << 20
+
+
+def encode_key(key: tuple[int, Cell]) -> list[Any]:
+    leaf, cell = key
+    return [leaf, [list(b) for b in cell]]
+
+
+def decode_key(raw: Any) -> tuple[int, Cell]:
+    leaf, cell = raw
+    return int(leaf), tuple((int(a), int(b)) for a, b in cell)
+
+
+class PieceServer:
+    """Serves the pieces ``lookup(point)`` returns, from a background thread, until ``close``."""
+
+    def __init__(
+        self,
+        lookup: Callable[[RestorePoint], Mapping[tuple[int, Cell], np.ndarray]],
+        on_copied: Callable[[int], None] | None = None,
+    ) -> None:
+        self._lookup = lookup
+        self._on_copied = on_copied
+        self._listener = socket.create_server(("", 0), family=socket.AF_INET)
+        self.port = self._listener.getsockname()[1]
+        self._closed = False
+        threading.Thread(target=self._serve, name="remesh-pieces", daemon=True).start()
+
+    def close(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept
+        with contextlib.suppress(OSError):
+            self._listener.close()
+
+    def _serve(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(conn,), name="remesh-piece", daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):
+            conn.settimeout(30.0)
+            reader = conn.makefile("rb")
+            request = json.loads(reader.readline(_HEADER_MAX))
+            point = (int(request["step"]), int(request["layout"]))
+            held = self._lookup(point)
+            keys = [decode_key(k) for k in request["keys"]]
+            missing = [k for k in keys if k not in held]
+            if missing:
+                header = {"ok": False, "error": f"{len(missing)} of {len(keys)} pieces not held at {point}"}
+                conn.sendall(json.dumps(header).encode() + b"\n")
+                return
+            arrays = [np.require(held[k], requirements="C") for k in keys]  # keeps 0-d arrays 0-d
+            header = {"ok": True, "arrays": [[a.dtype.str, list(a.shape)] for a in arrays]}
+            conn.sendall(json.dumps(header).encode() + b"\n")
+            for a in arrays:
+                conn.sendall(a.data.cast("B"))
+            if request.get("pin") and self._on_copied is not None:
+                # A buddy copied this step whole: keep it until a newer one is copied.
+                self._on_copied(point[0])
+
+
+class FetchFailed(Exception):
+    """A member could not serve the pieces asked for (gone, or no longer holds them)."""
+
+
+def fetch(
+    address: str, point: RestorePoint, keys: Iterable[tuple[int, Cell]], timeout_s: float, pin: bool = False
+) -> Pieces:
+    """The pieces ``keys`` of restore point ``point`` from the member serving at ``address``.
+
+    ``pin``: the caller keeps this as its buddy copy, so the server keeps the step (``on_copied``).
+    """
+    keys = list(keys)
+    if not keys:
+        return {}
+    host, _, port = address.rpartition(":")
+    request = {"step": point[0], "layout": point[1], "keys": [encode_key(k) for k in keys], "pin": pin}
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s) as conn:
+            conn.sendall(json.dumps(request).encode() + b"\n")
+            reader = conn.makefile("rb")
+            header = json.loads(reader.readline(_HEADER_MAX))
+            if not header.get("ok"):
+                raise FetchFailed(f"{address}: {header.get('error', 'refused')}")
+            out: Pieces = {}
+            for key, (dtype, shape) in zip(keys, header["arrays"], strict=True):
+                array = np.empty(shape, dtype=np.dtype(dtype))
+                _read_into(reader, array.data.cast("B"))
+                out[key] = array
+            return out
+    except (OSError, ValueError) as exc:
+        raise FetchFailed(f"{address}: {exc}") from exc
+
+
+def advertised_host(peer: str) -> str:
+    """The address of this machine that ``peer`` (host:port) reaches it on: the source address the
+    kernel picks for a route to it. ``REMESH_PEER_HOST`` overrides."""
+    import os
+
+    if override := os.environ.get("REMESH_PEER_HOST"):
+        return override
+    host = peer.rpartition(":")[0].strip("[]") or "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((socket.gethostbyname(host), 9))
+            return str(probe.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
+def _read_into(reader: Any, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = reader.readinto(view[got : got + _CHUNK])
+        if not n:
+            raise ConnectionError("connection closed in the middle of a piece")
+        got += n

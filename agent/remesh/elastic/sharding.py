@@ -1,0 +1,299 @@
+"""How the training state is laid out over an epoch's mesh, and where each piece of it comes from.
+
+The mesh of an epoch has two axes, ``("replica", "fsdp")``: the hosts split into replica groups of
+``hosts_per_replica`` hosts each (HSDP); the state is sharded over the devices of a group (``fsdp``)
+and replicated across groups; the batch is split over both. Without ``hosts_per_replica`` there is
+one group of every host (plain FSDP). The user describes the sharding once, as a function from a
+mesh and the state's shapes to ``PartitionSpec``s (``fsdp_partition`` is the usual rule), and remesh
+asks it again for every epoch's mesh.
+
+Uneven sizes have one rule, applied per epoch and logged: a dimension whose size does not divide by
+the mesh axes it is sharded over is replicated over them instead (``fit``); a world size that does
+not split into whole replica groups makes one group of every host. Neither ever fails an epoch; a
+coordinator started with ``--must-divide`` keeps world sizes to those that divide.
+
+A piece of the state is one leaf's values over a ``Cell`` (a box in global coordinates: start and
+stop per dimension), so pieces are independent of the mesh that produced them. ``plan_fetch`` decides,
+for the cells this process needs on the new mesh, which member serves each old cell (pure logic);
+``assemble`` builds a needed box from the pieces that overlap it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+import structlog
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+__all__ = [
+    "AXES",
+    "Cell",
+    "Fetch",
+    "Layout",
+    "Offer",
+    "Uncovered",
+    "assemble",
+    "build_mesh",
+    "cell_of",
+    "fit",
+    "fsdp_partition",
+    "plan_fetch",
+    "replicated_partition",
+]
+
+log = structlog.get_logger("remesh.elastic")
+
+PyTree = Any
+AXES = ("replica", "fsdp")
+# A box in global coordinates: (start, stop) for every dimension; () for a scalar.
+Cell = tuple[tuple[int, int], ...]
+# The state's sharding for a mesh: a pytree of PartitionSpecs shaped like the state.
+Partition = Callable[[Mesh, PyTree], PyTree]
+
+
+def replicated_partition(mesh: Mesh, shapes: PyTree) -> PyTree:
+    """Every leaf whole on every device (data parallelism)."""
+    return jax.tree.map(lambda _: P(), shapes)
+
+
+def fsdp_partition(mesh: Mesh, shapes: PyTree, min_elements: int = 1024) -> PyTree:
+    """Shard each leaf over ``fsdp`` on its largest dimension that divides by the axis size.
+
+    Leaves under ``min_elements`` (biases, norms, counters) stay replicated: sharding them saves
+    nothing and costs a collective each. A leaf with no dividing dimension stays replicated too, so
+    the rule holds for every world size a shrink may leave.
+    """
+    size = mesh.shape["fsdp"]
+
+    def spec(leaf: Any) -> P:
+        shape = tuple(leaf.shape)
+        if size == 1 or math.prod(shape) < min_elements:
+            return P()
+        dims = sorted((d for d in range(len(shape)) if shape[d] % size == 0), key=lambda d: -shape[d])
+        if not dims:
+            return P()
+        axes: list[str | None] = [None] * len(shape)
+        axes[dims[0]] = "fsdp"
+        return P(*axes[: dims[0] + 1])
+
+    return jax.tree.map(spec, shapes)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the state and the batch are laid out; passed to the session once, applied every epoch."""
+
+    # (mesh, state shapes) -> PartitionSpecs; None: replicated.
+    partition: Partition | None = None
+    # Hosts in one replica group (HSDP); None: one group of every host (FSDP, or replicated).
+    hosts_per_replica: int | None = None
+
+    def replicas(self, world_size: int) -> int:
+        k = self.hosts_per_replica
+        if not k or k >= world_size:
+            return 1
+        if world_size % k:
+            log.warning(
+                "the hosts do not split into whole replica groups: one group of every host this epoch",
+                world_size=world_size,
+                hosts_per_replica=k,
+            )
+            return 1
+        return world_size // k
+
+    def specs(self, mesh: Mesh, shapes: PyTree) -> PyTree:
+        partition = self.partition or replicated_partition
+        specs = partition(mesh, shapes)
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]]
+        leaves, treedef = jax.tree_util.tree_flatten(shapes)
+        spec_leaves = _flatten_up_to(treedef, specs)
+        return jax.tree_util.tree_unflatten(
+            treedef,
+            [fit(s, x.shape, mesh, path) for s, x, path in zip(spec_leaves, leaves, paths, strict=True)],
+        )
+
+
+def _flatten_up_to(treedef: Any, tree: PyTree) -> list[Any]:
+    """``tree``'s subtrees at the leaves of ``treedef`` (a PartitionSpec is a tuple: not flattened)."""
+    return list(treedef.flatten_up_to(tree))
+
+
+def build_mesh(devices: Sequence[Any], world_size: int, replicas: int) -> Mesh:
+    """The epoch's mesh: ``devices`` ordered by process, split into ``replicas`` rows of whole hosts.
+
+    Device order follows the rank, so the rows of a batch split over both axes that a process feeds
+    are the contiguous block at its rank.
+    """
+    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+    grid = np.array(ordered).reshape(replicas, len(ordered) // replicas)
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def fit(spec: P, shape: Sequence[int], mesh: Mesh, path: str = "") -> P:
+    """``spec`` with every dimension that does not divide by its mesh axes replicated instead."""
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    fitted: list[Any] = []
+    for dim, entry in enumerate(entries):
+        names = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+        size = math.prod(mesh.shape[n] for n in names)
+        if names and shape[dim] % size:
+            log.warning(
+                "a sharded dimension does not divide by its mesh axes: replicated this epoch",
+                leaf=path,
+                dimension=dim,
+                size=shape[dim],
+                axes=list(names),
+                axes_size=size,
+            )
+            fitted.append(None)
+        else:
+            fitted.append(entry)
+    while fitted and fitted[-1] is None:
+        fitted.pop()
+    return P(*fitted)
+
+
+def cell_of(index: tuple[slice, ...] | None, shape: Sequence[int]) -> Cell:
+    """The box that a shard's ``index`` (slices, as JAX gives them; None: all of it) covers."""
+    if index is None:
+        return whole(shape)
+    return tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shape, strict=True))
+
+
+def whole(shape: Sequence[int]) -> Cell:
+    return tuple((0, n) for n in shape)
+
+
+def volume(cell: Cell) -> int:
+    return math.prod(b - a for a, b in cell)
+
+
+def intersect(a: Cell, b: Cell) -> Cell | None:
+    box = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b, strict=True))
+    return box if all(lo < hi for lo, hi in box) else None
+
+
+def _local(box: Cell, within: Cell) -> tuple[slice, ...]:
+    return tuple(slice(lo - base, hi - base) for (lo, hi), (base, _) in zip(box, within, strict=True))
+
+
+def assemble(region: Cell, pieces: Iterable[tuple[Cell, np.ndarray]], dtype: Any) -> np.ndarray:
+    """The values over ``region`` from ``pieces`` that together cover it (no copy where one piece is
+    exactly the region)."""
+    pieces = list(pieces)
+    for cell, values in pieces:
+        if cell == region:
+            return values
+    out = np.empty([hi - lo for lo, hi in region], dtype=dtype)
+    for cell, values in pieces:
+        box = intersect(region, cell)
+        if box is not None:
+            out[_local(box, region)] = values[_local(box, cell)]
+    return out
+
+
+def needed_cells(sharding: NamedSharding, shape: Sequence[int]) -> list[Cell]:
+    """The distinct boxes of a leaf this process's devices hold under ``sharding``."""
+    cells = {
+        cell_of(index, shape) for index in sharding.addressable_devices_indices_map(tuple(shape)).values()
+    }
+    return sorted(cells)
+
+
+class Uncovered(Exception):
+    """No member holds some part of the state at the step asked for."""
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What one member can serve at one restore point: its own pieces and its buddy copies."""
+
+    rank: int
+    own: frozenset[tuple[int, Cell]] = frozenset()
+    buddy: frozenset[tuple[int, Cell]] = frozenset()
+    own_tier: str = "memory"  # where its own pieces are: "memory", or "host-shm" after a restart
+
+
+@dataclass
+class Fetch:
+    """Where each old cell a process needs comes from, and the bytes per tier."""
+
+    # (leaf, cell) -> (rank that serves it, tier)
+    sources: dict[tuple[int, Cell], tuple[int, str]] = field(default_factory=dict)
+    bytes_by_tier: dict[str, int] = field(default_factory=dict)
+
+    def from_rank(self, rank: int) -> list[tuple[int, Cell]]:
+        return sorted(key for key, (r, _) in self.sources.items() if r == rank)
+
+    def tier_of(self, rank: int) -> dict[tuple[int, Cell], str]:
+        return {key: tier for key, (r, tier) in self.sources.items() if r == rank}
+
+
+def covered(offers: Iterable[Offer], shapes: Sequence[tuple[int, ...]]) -> bool:
+    """Whether the offers together hold every element of every leaf.
+
+    The cells of one restore point come from one mesh, so distinct cells of a leaf never overlap
+    and their volumes add up to the leaf's size exactly when they cover it.
+    """
+    cells: list[set[Cell]] = [set() for _ in shapes]
+    for offer in offers:
+        for leaf, cell in offer.own | offer.buddy:
+            if 0 <= leaf < len(cells):
+                cells[leaf].add(cell)
+    return all(
+        sum(volume(c) for c in cs) == math.prod(shape) for cs, shape in zip(cells, shapes, strict=True)
+    )
+
+
+def plan_fetch(
+    me: int,
+    needed: Mapping[int, Sequence[Cell]],
+    offers: Sequence[Offer],
+    shapes: Sequence[tuple[int, ...]],
+    itemsizes: Sequence[int],
+) -> Fetch:
+    """For every old cell overlapping a box this process needs, the member that serves it.
+
+    Preference: this process's own pieces, then its buddy copies (no bytes move), then a peer's own
+    pieces (another replica group holds the same shards, or the state is re-split), then a peer's
+    buddy copy; among peers, the one serving the fewest bytes so far. Raises ``Uncovered`` when a
+    needed element is held by nobody.
+    """
+    if not covered(offers, shapes):
+        raise Uncovered("the members' pieces do not cover the state")
+    holders: dict[tuple[int, Cell], list[tuple[int, int, str]]] = {}
+    for offer in offers:
+        local = offer.rank == me
+        for key in offer.own:
+            holders.setdefault(key, []).append(
+                (0 if local else 2, offer.rank, offer.own_tier if local else "peer")
+            )
+        for key in offer.buddy:
+            holders.setdefault(key, []).append((1 if local else 3, offer.rank, "buddy"))
+    load: dict[int, int] = {}
+    plan = Fetch()
+    by_leaf: dict[int, list[Cell]] = {}
+    for leaf, cell in holders:
+        by_leaf.setdefault(leaf, []).append(cell)
+    for leaf, regions in sorted(needed.items()):
+        for region in regions:
+            for cell in sorted(c for c in by_leaf.get(leaf, []) if intersect(region, c) is not None):
+                key = (leaf, cell)
+                if key in plan.sources:
+                    continue
+                nbytes = volume(cell) * itemsizes[leaf]
+                rank_, tier = min(
+                    ((pref, load.get(r, 0), r, tier) for pref, r, tier in holders[key]),
+                    key=lambda h: (h[0], h[1], h[2]),
+                )[2:]
+                plan.sources[key] = (rank_, tier)
+                if rank_ != me:
+                    load[rank_] = load.get(rank_, 0) + nbytes
+                plan.bytes_by_tier[tier] = plan.bytes_by_tier.get(tier, 0) + nbytes
+    return plan

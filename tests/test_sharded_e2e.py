@@ -1,0 +1,240 @@
+"""Sharded state end to end: tinylm with its state sharded over every device of every host (FSDP) or
+inside replica groups (HSDP), real coordinator, agents and JAX trainer processes, hosts SIGKILLed.
+
+d_model 96 (and a 384-wide MLP) divides by 4, 6 and 8 devices: every weight matrix stays sharded at
+every world size these jobs pass through.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from remesh.embedded import RedisServer
+from remesh.v1 import coordinator_pb2 as pb
+from tests.procs import Cluster, wait_for
+from tests.test_elastic_e2e import ENV, KILL_AT, STEPS, leaves, new_job_id, run_job, steps_logged, trainer
+
+pytestmark = pytest.mark.integration
+
+FSDP = ("--sharding", "fsdp", "--d-model", "96")
+
+
+@pytest.fixture(scope="module")
+def redis() -> Iterator[RedisServer]:
+    with RedisServer(appendonly=False) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def clean_fsdp(tmp_path_factory: pytest.TempPathFactory, redis: RedisServer) -> Iterator[tuple[Path, Path]]:
+    """A clean FSDP run that also writes sharded checkpoints (every host its own shards)."""
+    tmp = tmp_path_factory.mktemp("clean-fsdp")
+    ckpt = tmp / "ckpt"
+    final, cluster = run_job(
+        tmp,
+        redis.url,
+        spares=0,
+        victim=None,
+        trainer_args=(*FSDP, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "10"),
+    )
+    cluster.close()
+    yield final, ckpt
+
+
+def acks(cluster: Cluster, epoch: int) -> dict[str, dict[str, int]]:
+    """host -> restored bytes per tier, from the acknowledgements of ``epoch``."""
+    return {
+        e.host_id: json.loads(e.details.get("restored_bytes", "{}"))
+        for e in cluster.events()
+        if e.type == pb.EVENT_TYPE_EPOCH_ACKED and e.epoch == epoch
+    }
+
+
+def test_fsdp_a_killed_host_is_restored_from_its_buddy_copy_bitwise_equal(
+    tmp_path: Path, redis: RedisServer, clean_fsdp: tuple[Path, Path]
+) -> None:
+    """FSDP over 3 hosts + 1 spare: the spare takes the killed host's rank, its shards come from the
+    buddy copy a survivor kept (no storage is configured at all), and the run ends on the clean
+    run's state, bit for bit."""
+    final, cluster = run_job(tmp_path, redis.url, spares=1, victim="host-1", trainer_args=FSDP)
+    try:
+        after = cluster.topology()
+        assert after.epoch == 2 and [m.host_id for m in after.members] == ["host-0", "spare-0", "host-2"]
+        tiers = acks(cluster, 2)
+        assert sorted(tiers) == ["host-0", "host-2", "spare-0"]
+        # host-0 kept host-1's shards (rank 0 copies rank 1): the spare takes them from it.
+        assert tiers["spare-0"].get("buddy", 0) > 0 and set(tiers["spare-0"]) <= {"buddy", "peer"}, tiers
+        for survivor in ("host-0", "host-2"):
+            # Its own shards, in the process or (restarted out of a collective with the dead) in /dev/shm.
+            assert len(tiers[survivor]) == 1 and set(tiers[survivor]) <= {"memory", "host-shm"}, tiers
+        restored = {
+            e.details["restored_step"]
+            for e in cluster.events()
+            if e.type == pb.EVENT_TYPE_EPOCH_ACKED and e.epoch == 2
+        }
+        assert len(restored) == 1 and KILL_AT - 1 <= int(restored.pop()) <= after.restore_step
+        clean, _ = clean_fsdp
+        for a, b in zip(leaves(final), leaves(clean), strict=True):
+            assert (a.dtype, a.shape) == (b.dtype, b.shape)
+            assert a.tobytes() == b.tobytes(), "the state differs from the run without failure"
+    finally:
+        cluster.close()
+
+
+PLAIN_ORBAX = textwrap.dedent(
+    """
+    import sys
+    import jax, numpy as np
+    import orbax.checkpoint as ocp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    path, final = sys.argv[1], sys.argv[2]
+    meta = ocp.PyTreeCheckpointer().metadata(path)
+    tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta.tree
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("a", "b"))
+
+    def target(m):
+        shape = tuple(m.shape)
+        spec = P("b") if shape and shape[0] % 2 == 0 else P()
+        return jax.ShapeDtypeStruct(shape, m.dtype, sharding=NamedSharding(mesh, spec))
+
+    abstract = jax.tree.map(target, tree)
+    state = ocp.PyTreeCheckpointer().restore(
+        path, args=ocp.args.PyTreeRestore(item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))
+    )
+    assert not [m for m in sys.modules if m.startswith("remesh")], "remesh was imported"
+    restored = jax.tree_util.tree_leaves(state)
+    assert all(len(x.sharding.device_set) == 4 for x in restored)
+    np.savez(final, *[np.asarray(x) for x in restored])
+    print("restored", len(restored), "leaves on", dict(mesh.shape))
+    """
+)
+
+
+def test_a_sharded_checkpoint_restores_with_plain_orbax_onto_another_mesh(
+    tmp_path: Path, clean_fsdp: tuple[Path, Path]
+) -> None:
+    """The checkpoint every host wrote its shards into (6 devices, FSDP) restores in a process with no
+    remesh import, onto a 2x2 mesh with other shardings, to the values of the run at that step."""
+    _, ckpt = clean_fsdp
+    step_dir = ckpt / f"step_{STEPS:010d}"
+    assert (step_dir / "COMMITTED").is_file()
+    marker = json.loads((step_dir / "COMMITTED").read_text())
+    # Every process wrote: Orbax keeps one data folder per writing process.
+    writers = {p.name for p in (step_dir / "state").glob("ocdbt.process_*")}
+    assert len(writers) == 3, writers
+    assert marker["step"] == STEPS
+    out = tmp_path / "restored.npz"
+    script = tmp_path / "plain_orbax.py"
+    script.write_text(PLAIN_ORBAX)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    done = subprocess.run(
+        [sys.executable, str(script), str(step_dir / "state"), str(out)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    clean, _ = clean_fsdp
+    for a, b in zip(leaves(out), leaves(clean), strict=True):
+        assert a.tobytes() == b.tobytes()
+
+
+def test_hsdp_a_lost_host_comes_from_the_other_group_and_a_lost_group_shrinks(
+    tmp_path: Path, redis: RedisServer
+) -> None:
+    """HSDP, 2 replica groups of 2 hosts + 1 spare. Kill host-1: the spare takes its rank and its
+    shards from the other group's host. Then kill both hosts of the second group: no spare is left,
+    the job continues on the remaining group, whose hosts hold every shard already, and the loss
+    keeps falling."""
+    cluster = Cluster(tmp_path, redis.url, new_job_id())
+    final = tmp_path / "final.npz"
+    command = trainer(final, "--sharding", "hsdp", "--hosts-per-replica", "2", "--d-model", "96")
+    command[command.index("--steps") + 1] = "60"
+    try:
+        cluster.start_coordinator("--world-size", "4", "--min-world-size", "2")
+        for h in ("host-0", "host-1", "host-2", "host-3"):
+            cluster.start_agent(h, trainer=command, env=ENV)
+        cluster.start_agent("spare-0", spare=True, trainer=command, env=ENV)
+
+        def at(host: str, step: int) -> bool:
+            member = cluster.members().get(host)
+            return member is not None and member.last_step >= step
+
+        wait_for(lambda: at("host-1", KILL_AT), 180, "host-1 at the first kill")
+        cluster.agents["host-1"].kill()
+        wait_for(lambda: at("spare-0", 30), 120, "the spare to train")
+        cluster.agents["host-2"].kill()
+        cluster.agents["host-3"].kill()
+        wait_for(final.exists, 180, "the job to finish")
+
+        after = cluster.topology()
+        assert [m.host_id for m in after.members] == ["host-0", "spare-0"], after
+        replaced = acks(cluster, 2)
+        assert replaced["spare-0"].get("peer", 0) > 0 and "buddy" not in replaced["spare-0"], replaced
+        shrunk = acks(cluster, after.epoch)
+        assert set(shrunk) == {"host-0", "spare-0"}
+        # Each survivor already held its group's shards: the new mesh needed no byte from anyone.
+        assert all(len(t) == 1 and set(t) <= {"memory", "host-shm"} for t in shrunk.values()), shrunk
+        logged = steps_logged(cluster)
+        assert {ws for _, _, ws in logged} >= {4, 2}
+        two = [(s, loss) for s, loss, ws in logged if ws == 2]
+        assert two and two[-1][0] == 60 and two[-1][1] < logged[0][1], logged
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}\n{cluster.log_tails(25)}") from exc
+    finally:
+        cluster.close()
+
+
+def test_when_no_tier_holds_the_restore_step_the_job_halts_saying_why_never_at_step_0(
+    tmp_path: Path, redis: RedisServer
+) -> None:
+    """FSDP with no host-memory snapshots, no buddy copies and no checkpoint tier: a killed host's
+    shards exist nowhere. The trainers of the new epoch report it, the coordinator halts the job
+    with the reason, and no trainer trains from step 0."""
+    cluster = Cluster(tmp_path, redis.url, new_job_id())
+    command = trainer(tmp_path / "final.npz", *FSDP, "--no-snapshots")
+    try:
+        cluster.start_coordinator("--world-size", "3")
+        for h in ("host-0", "host-1", "host-2"):
+            cluster.start_agent(h, trainer=command, env=ENV)
+        cluster.start_agent("spare-0", spare=True, trainer=command, env=ENV)
+        wait_for(
+            lambda: (m := cluster.members().get("host-1")) is not None and m.last_step >= KILL_AT,
+            180,
+            "host-1 to train",
+        )
+        cluster.agents["host-1"].kill()
+        halted = wait_for(lambda: (t := cluster.topology()).halted and t, 120, "the job to halt")
+        assert f"no tier holds step {halted.restore_step}" in halted.reason, halted.reason
+        assert halted.restore_step >= KILL_AT
+        events = cluster.events()
+        lost = [
+            e for e in events if e.type == pb.EVENT_TYPE_FAULT_REPORTED and e.details["kind"] == "state_lost"
+        ]
+        assert lost and all(e.reason.startswith("state_lost") for e in lost)
+        assert not [e for e in events if e.type == pb.EVENT_TYPE_MEMBER_DEAD and e.host_id != "host-1"]
+        scratch = [
+            e
+            for e in events
+            if e.type == pb.EVENT_TYPE_EPOCH_ACKED
+            and e.epoch > 1
+            and e.details["restore_source"] == "scratch"
+        ]
+        assert not scratch, "a trainer started again from step 0"
+        assert not (tmp_path / "final.npz").exists()
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}\n{cluster.log_tails(25)}") from exc
+    finally:
+        cluster.close()
