@@ -54,6 +54,9 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = {"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
 HOSTS = ("host-0", "host-1", "host-2")
 PHASES = ("reinit", "restore", "compile", "first_step")
+# Where a restore's time goes (part of "restore"): agreeing on the restore point with the other
+# members, fetching pieces from them, building the arrays on the new mesh.
+RESTORE_PARTS = ("restore_agree", "restore_fetch", "restore_build")
 
 
 def progress(message: str) -> None:
@@ -75,6 +78,8 @@ def state_bytes(d_model: int, layers: int, seq_len: int) -> int:
 
     import jax
 
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))  # the example is not an installed package
     from examples.tinylm import model
 
     config = model.Config(seq_len=seq_len, d_model=d_model, n_layers=layers, d_mlp=4 * d_model)
@@ -181,14 +186,18 @@ def phases_of(job: Job, epoch: int) -> dict[str, float]:
     acks = [e for e in job.events(pb.EVENT_TYPE_EPOCH_ACKED) if e.epoch == epoch]
     per_member = [json.loads(e.details["phases"]) for e in acks]
     # The slowest member sets the pace: a step needs every member.
-    return {p: max(m.get(p, 0.0) for m in per_member) for p in PHASES} if per_member else {}
+    return (
+        {p: max(m.get(p, 0.0) for m in per_member) for p in (*PHASES, *RESTORE_PARTS)} if per_member else {}
+    )
 
 
 def inplace_trial(job: Job, kind: str) -> Trial:
     topology = job.cluster.topology()
     ranks = {m.rank: m.host_id for m in topology.members}
     victim = ranks[0] if kind == "agent-restart" else ranks[1 + (topology.epoch % (len(ranks) - 1))]
-    job.wait_step(job.step_now() + 5)
+    t0, first = time.monotonic(), job.step_now()
+    job.wait_step(first + 5)
+    healthy = (time.monotonic() - t0) / max(1, job.step_now() - first)
     before = job.step_now()
     t_kill = time.time()
     job.cluster.agents[victim].signal_group(signal.SIGKILL)
@@ -205,13 +214,16 @@ def inplace_trial(job: Job, kind: str) -> Trial:
         for e in job.events(pb.EVENT_TYPE_EPOCH_ACKED)
         if e.epoch == after.epoch
     )
+    phases["healthy_step"] = healthy
     return Trial(kind, live.time - t_kill, max(0, before - restored), phases, bytes_of(job, after.epoch))
 
 
 def full_restart_trial(tmp: Path, redis_url: str, args: argparse.Namespace, checkpoints: Path) -> Trial:
     job = Job(tmp, redis_url, args, spares=0, checkpoint_dir=checkpoints)
     try:
-        job.wait_step(args.checkpoint_every + args.checkpoint_every // 2)
+        # Half an interval after a committed checkpoint (a large state takes a while to write).
+        wait_for(lambda: committed(checkpoints) >= args.checkpoint_every, 600, "a committed checkpoint", 0.2)
+        job.wait_step(committed(checkpoints) + args.checkpoint_every // 2)
         before = job.step_now()
         t_kill = time.time()
         for proc in job.cluster.procs:  # the whole job: coordinator, agents, trainers
@@ -232,6 +244,12 @@ def full_restart_trial(tmp: Path, redis_url: str, args: argparse.Namespace, chec
         )
     finally:
         relaunched.close()
+
+
+def committed(checkpoints: Path) -> int:
+    """The newest step with a commit marker in a local checkpoint directory (-1: none)."""
+    steps = (int(p.parent.name.removeprefix("step_")) for p in checkpoints.glob("step_*/COMMITTED"))
+    return max(steps, default=-1)
 
 
 def summary(trials: list[Trial], kind: str) -> tuple[float, float]:
@@ -303,6 +321,16 @@ def main() -> int:
         )
         print(f"{kind:<16}{p50:>10.2f}{worst:>8.2f}{max(t.lost_steps for t in rows):>10}{cells}")
     print()
+    print(f"{'restore, of which':<30}" + "".join(f"{p.removeprefix('restore_'):>10}" for p in RESTORE_PARTS))
+    for kind in ("in-place", "agent-restart", "full restart"):
+        rows = [t for t in trials if t.kind == kind]
+        print(
+            f"{kind:<30}"
+            + "".join(
+                f"{statistics.median([t.phases.get(p, 0.0) for t in rows]):>10.2f}" for p in RESTORE_PARTS
+            )
+        )
+    print()
     tiers = sorted({tier for t in trials for tier in t.bytes_by_tier})
     print(f"{'bytes restored (MiB, median)':<30}" + "".join(f"{tier:>10}" for tier in tiers))
     for kind in ("in-place", "agent-restart", "full restart"):
@@ -320,6 +348,11 @@ def main() -> int:
         "lost_steps_max": max(t.lost_steps for t in trials if t.kind != "full restart"),
         "full_restart_lost_steps_max": max(t.lost_steps for t in trials if t.kind == "full restart"),
         "trials": args.trials,
+        # Seconds per step before each kill (including --step-sleep): the first step on the new
+        # topology, part of the MTTR, takes about this long however fast the recovery.
+        "healthy_step_s_p50": round(
+            statistics.median([t.phases["healthy_step"] for t in trials if "healthy_step" in t.phases]), 3
+        ),
         "state_mb": round(mb, 1),
         "sharding": args.sharding,
         "inplace_bytes_by_tier": {

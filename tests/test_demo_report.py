@@ -46,8 +46,26 @@ def one_failure_run() -> tuple[
         ev("epoch_live", 9.9, 1),
         ev("member_dead", 20.12, 1, "host-1"),
         ev("topology_changed", 20.13, 2),
-        ev("epoch_acked", 22.5, 2, "host-0", restored_step=98, restore_source="memory", phases=PHASES),
-        ev("epoch_acked", 22.6, 2, "spare-0", restored_step=98, restore_source="peer:rank0", phases=PHASES),
+        ev(
+            "epoch_acked",
+            22.5,
+            2,
+            "host-0",
+            restored_step=98,
+            restore_source="memory",
+            phases=PHASES,
+            restored_bytes={"memory": 1000},
+        ),
+        ev(
+            "epoch_acked",
+            22.6,
+            2,
+            "spare-0",
+            restored_step=98,
+            restore_source="buddy+peer",
+            phases=PHASES,
+            restored_bytes={"buddy": 900, "peer": 100},
+        ),
         ev("epoch_live", 22.6, 2),
     ]
     records = steps(1, 100, 10.0, 0.1, 1, "host-0-1") + steps(99, 200, 22.6, 0.1, 2, "host-0-1")
@@ -69,7 +87,10 @@ def test_a_recovery_is_measured_phase_by_phase_from_the_event_log() -> None:
     assert f["phases"]["broadcast"] == pytest.approx(0.17)
     assert f["phases"]["compile"] == 1.5
     assert f["step_at_failure"] == 100 and f["restored_step"] == 98 and f["steps_lost"] == 2
-    assert f["restore_sources"] == ["memory", "peer:rank0"]
+    assert f["restore_sources"] == ["buddy+peer", "memory"]
+    # Which tier each member's state came from, and the bytes: the spare's moved, host-0's did not.
+    assert f["restored_bytes"] == {"buddy": 900, "memory": 1000, "peer": 100}
+    assert f["restored_bytes_by_member"]["spare-0"] == {"buddy": 900, "peer": 100}
     s = report["summary"]
     assert (s["failures"], s["recovered"], s["first_epoch"], s["last_epoch"]) == (1, 1, 1, 2)
     assert report["run"]["final_step"] == 200 and report["run"]["reached_target"]

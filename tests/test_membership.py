@@ -509,6 +509,28 @@ def test_epoch_goes_live_only_after_every_member_acked() -> None:
     assert state.acks == {"a0": 3, "a1": 3, "a2": 3}
 
 
+def test_an_ack_records_the_bytes_restored_per_tier() -> None:
+    events, _ = membership.ack_epoch(
+        NOW, job(), "a1", 1, 3, 17, "buddy+peer", {}, restored_bytes={"buddy": 900, "peer": 12}
+    )
+    assert one(events).details["restored_bytes"] == '{"buddy": 900, "peer": 12}'
+
+
+@pytest.mark.parametrize(
+    ("tiers", "match"),
+    [
+        ({"buddy": -1}, "not a tier and a byte count"),
+        ({"": 5}, "not a tier"),
+        ({f"t{i}": 1 for i in range(17)}, "limit is 16"),
+    ],
+)
+def test_an_ack_with_malformed_tier_bytes_is_invalid_and_changes_nothing(
+    tiers: dict[str, int], match: str
+) -> None:
+    with pytest.raises(InvalidRequest, match=match):
+        membership.ack_epoch(NOW, job(), "a1", 1, 3, 17, "memory", {}, restored_bytes=tiers)
+
+
 def test_acks_of_an_older_epoch_do_not_count() -> None:
     state = job(acks={"a0": 2, "a2": 2})
     events, live = ack(state, "a1")

@@ -134,8 +134,10 @@ def test_snapshots_survive_the_process_in_shm_and_keep_a_pinned_step(tmp_path: P
 
 def test_a_truncated_or_foreign_snapshot_falls_back_to_the_next_tier(tmp_path: Path) -> None:
     Snapshots(3, tmp_path).put(5, 1, pieces(5))
-    path = tmp_path / "step_0000000005.npz"
-    path.write_bytes(path.read_bytes()[:100])  # truncated: a BadZipFile inside numpy
+    path = tmp_path / "step_0000000005.snap"
+    path.write_bytes(path.read_bytes()[:-10])  # truncated: the writer died, or the file was cut
+    assert Snapshots(3, tmp_path).get(5, SNAPSHOT_SHAPES) is None
+    path.write_bytes(b"PK\x03\x04" + bytes(100))  # not a snapshot at all
     assert Snapshots(3, tmp_path).get(5, SNAPSHOT_SHAPES) is None
     Snapshots(3, tmp_path).put(6, 1, pieces(6))
     wrong = [((4, 2), np.dtype(np.float32)), ((), np.dtype(np.float32))]
@@ -161,8 +163,11 @@ def test_the_piece_server_serves_exactly_what_it_holds() -> None:
         fetch(address, (7, 1), list(pieces(0)), 1.0)  # nobody listens any more
 
 
-def test_snapshot_metadata_is_json_the_next_engineer_can_read(tmp_path: Path) -> None:
+def test_a_snapshot_file_is_a_json_header_and_the_raw_bytes(tmp_path: Path) -> None:
     Snapshots(1, tmp_path).put(3, 2, pieces(3))
-    with np.load(tmp_path / "step_0000000003.npz") as data:
-        meta = json.loads(bytes(data["meta"]).decode())
-    assert meta == {"step": 3, "layout": 2, "keys": [[0, [[0, 2], [0, 3]]], [1, []]]}
+    data = (tmp_path / "step_0000000003.snap").read_bytes()
+    magic, rest = data.split(b"\n", 1)
+    header = json.loads(rest[8 : 8 + int.from_bytes(rest[:8], "little")])
+    assert magic == b"remesh-snapshot-1"
+    assert (header["step"], header["layout"]) == (3, 2)
+    assert [p[0] for p in header["pieces"]] == [[0, [[0, 2], [0, 3]]], [1, []]]

@@ -230,6 +230,8 @@ class Session:
         self._treedef: Any = None
         self._template: list[jax.ShapeDtypeStruct] | None = None
         self._last_pieces: Pieces = {}
+        # Where the last restore's time went: agreeing on the restore point, fetching, building.
+        self._restore_phases: dict[str, float] = {}
         self._final: list[np.ndarray] | None = None
         self._pretraced = False
         # The cells of the buddy this process copies, in the current epoch; None: no buddy copies.
@@ -364,6 +366,7 @@ class Session:
         leaves, step, source, tiers = self._restore(assignment, shardings)
         state = jax.tree_util.tree_unflatten(self._treedef, leaves)
         phases["restore"] = time.monotonic() - t
+        phases.update(self._restore_phases)
         self.last_restore = {"step": step, "source": source, "bytes": dict(tiers)}
         compiled, phases["compile"] = compiling.result()
         if assignment.rank == 0 and self.checkpoints:
@@ -401,12 +404,14 @@ class Session:
             step += 1
             self._step = step
             self._last_pieces = pieces
-            self.snapshots.put(step, assignment.epoch, pieces)
-            self._maybe_copy_buddy(step, assignment)
             if not acked:
+                # The epoch runs here from now on: said before the snapshot is written, which only
+                # the progress report below must wait for.
                 phases["first_step"] = time.monotonic() - t
                 self._ack(assignment, step - 1, source, phases, tiers)
                 acked = True
+            self.snapshots.put(step, assignment.epoch, pieces)
+            self._maybe_copy_buddy(step, assignment)
             self.agent.report_progress(step, assignment.epoch)
             self._maybe_checkpoint(step, assignment, leaves, pieces)
             yield StepResult(step, assignment.epoch, assignment.world_size, host_metrics)
@@ -535,10 +540,12 @@ class Session:
         label, and the bytes per tier.
         """
         target = assignment.restore_step
+        t = time.monotonic()
         offer = self._offer(target)
         with peer_failures():
             gathered = self.runtime.allgather_text("offers", json.dumps(offer), self.policy.init_timeout_s)
         offers = [json.loads(g) for g in gathered]
+        self._restore_phases = {"restore_agree": time.monotonic() - t}
         self._peers = [o["addr"] for o in offers]
         if target >= 0:
             found = self._restore_from_members(assignment, offers, shardings)
@@ -593,8 +600,12 @@ class Session:
             except Uncovered:
                 log.info("the members do not hold every piece of this step", step=point[0], layout=point[1])
                 continue
+            t = time.monotonic()
             pieces = self._gather(assignment.rank, point, plan.sources)
+            self._restore_phases["restore_fetch"] = time.monotonic() - t
+            t = time.monotonic()
             leaves = self._build(pieces, shardings)
+            self._restore_phases["restore_build"] = time.monotonic() - t
             self.snapshots.drop_after(point[0])
             self.buddies.drop_after(point[0])
             source = "+".join(sorted(plan.bytes_by_tier)) or "memory"
@@ -658,7 +669,11 @@ class Session:
         """The newest committed checkpoint at or below the restore step, chosen by rank 0 so every
         member loads the same one; ``init_state`` only where the job never completed a step."""
         target = assignment.restore_step
-        candidate = self._newest_checkpoint(target, assignment.commits) if assignment.rank == 0 else -1
+        # The commits the coordinator accepted in this job. None where it accepted none yet: a job
+        # launched again (the full restart) resumes from what an earlier run committed, guarded by
+        # the epoch fence only; once this job commits, only its own accepted commits count.
+        trusted: Trusted = assignment.commits or None
+        candidate = self._newest_checkpoint(target, trusted) if assignment.rank == 0 else -1
         chosen = self.runtime.allgather_int("checkpoint", candidate, self.policy.init_timeout_s)[0]
         if chosen < 0:
             if target > 0:
@@ -676,7 +691,7 @@ class Session:
             init = jax.jit(self._init_state, out_shardings=tree_shardings)()
             return jax.tree_util.tree_leaves(init), 0, "scratch", {}
         for store in self.checkpoints:
-            if (store.latest_viable(chosen, assignment.commits) or -1) != chosen:
+            if (store.latest_viable(chosen, trusted) or -1) != chosen:
                 continue
             self.snapshots.clear()
             self.buddies.clear()
@@ -690,11 +705,11 @@ class Session:
                     ],
                 )
                 with peer_failures():
-                    tree = store.restore_global(chosen, abstract, assignment.commits)
+                    tree = store.restore_global(chosen, abstract, trusted)
                 leaves = jax.tree_util.tree_leaves(tree)
             else:
                 tree = store.restore_state(
-                    chosen, jax.tree_util.tree_unflatten(self._treedef, template), assignment.commits
+                    chosen, jax.tree_util.tree_unflatten(self._treedef, template), trusted
                 )
                 host = jax.tree_util.tree_leaves(tree)
                 leaves = self._build(

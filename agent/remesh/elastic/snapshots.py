@@ -7,8 +7,10 @@ A replicated leaf is one piece covering all of it. Two copies of the last few st
 tmpfs, so still host memory, which survives the trainer process: a trainer the agent restarts after
 a JAX abort restores from it).
 
-A snapshot file that cannot be read whole (truncated, or not ours) is reported and skipped: the
-restore falls back to the next tier, it never fails on it.
+A snapshot file is a JSON header and the raw bytes of every piece; reading one maps it into memory,
+so learning what a restarted process holds costs nothing until a piece is used. A file that is not
+whole (truncated, or not ours) is reported and skipped: the restore falls back to the next tier, it
+never fails on it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import collections
 import json
 import os
 import threading
-import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,10 @@ __all__ = ["Snapshot", "Snapshots"]
 
 log = structlog.get_logger("remesh.elastic")
 
-_META = "meta"
+_MAGIC = b"remesh-snapshot-1\n"
+_SUFFIX = ".snap"
+_ALIGN = 64
+_HEADER_MAX = 64 << 20
 
 
 class Snapshot:
@@ -87,19 +91,33 @@ class Snapshots:
         return found[1] if found is not None and found[0] == layout else {}
 
     def _write(self, step: int, layout: int, pieces: Pieces) -> None:
+        """One file per step: a JSON header (restore point, and dtype, shape and offset of every
+        piece), then the raw bytes of each piece; written whole under a temporary name, then renamed."""
         assert self.directory is not None
-        keys = list(pieces)
-        arrays = {f"a{i}": pieces[k] for i, k in enumerate(keys)}
-        meta = json.dumps({"step": step, "layout": layout, "keys": [encode_key(k) for k in keys]})
-        tmp = self.directory / f".step_{step:010d}.npz.tmp"
+        entries: list[list[Any]] = []
+        offsets: list[int] = []
+        offset = 0
+        for key, values in pieces.items():
+            offset = -(-offset // _ALIGN) * _ALIGN
+            entries.append([encode_key(key), values.dtype.str, list(values.shape), offset, values.nbytes])
+            offsets.append(offset)
+            offset += values.nbytes
+        header = json.dumps({"step": step, "layout": layout, "pieces": entries, "size": offset}).encode()
+        start = -(-(len(_MAGIC) + 8 + len(header)) // _ALIGN) * _ALIGN
+        tmp = self.directory / f".step_{step:010d}{_SUFFIX}.tmp"
         with open(tmp, "wb") as f:
-            arrays[_META] = np.frombuffer(meta.encode(), dtype=np.uint8)
-            _savez(f, arrays)
-        os.replace(tmp, self.directory / f"step_{step:010d}.npz")
-        # Keep exactly the window that ends here: older steps, and any "newer" ones left by an
-        # abandoned timeline (a run that went further before restoring an older step), go.
-        for path in self.directory.glob("step_*.npz"):
-            if not step - self.keep < _step_of(path) <= step:
+            f.write(_MAGIC + len(header).to_bytes(8, "little") + header)
+            for at, values in zip(offsets, pieces.values(), strict=True):
+                f.seek(start + at)
+                f.write(np.require(values, requirements="C").data.cast("B"))
+            f.truncate(start + offset)
+        os.replace(tmp, self.directory / f"step_{step:010d}{_SUFFIX}")
+        # Keep the steps held in memory (the newest, and those a buddy copied); any "newer" ones
+        # left by an abandoned timeline (a run that went further before restoring an older step) go.
+        with self._lock:
+            keep = set(self._memory) | {step}
+        for path in self.directory.glob(f"step_*{_SUFFIX}"):
+            if _step_of(path) not in keep:
                 path.unlink(missing_ok=True)
 
     def clear(self) -> None:
@@ -108,7 +126,7 @@ class Snapshots:
             self._memory.clear()
             self._pinned.clear()
         if self.directory is not None:
-            for path in self.directory.glob("step_*.npz"):
+            for path in self.directory.glob(f"step_*{_SUFFIX}"):
                 path.unlink(missing_ok=True)
 
     def drop_after(self, step: int) -> None:
@@ -117,14 +135,14 @@ class Snapshots:
             for s in [s for s in self._memory if s > step]:
                 del self._memory[s]
         if self.directory is not None:
-            for path in self.directory.glob("step_*.npz"):
+            for path in self.directory.glob(f"step_*{_SUFFIX}"):
                 if _step_of(path) > step:
                     path.unlink(missing_ok=True)
 
     def steps(self) -> list[int]:
         found = set(self._memory)
         if self.directory is not None:
-            found |= {_step_of(p) for p in self.directory.glob("step_*.npz")}
+            found |= {_step_of(p) for p in self.directory.glob(f"step_*{_SUFFIX}")}
         return sorted(found)
 
     def all(self, max_step: int, shapes: Sequence[tuple[tuple[int, ...], Any]]) -> list[Snapshot]:
@@ -144,16 +162,12 @@ class Snapshots:
             return Snapshot(step, found[0], found[1], "memory")
         if self.directory is None:
             return None
-        path = self.directory / f"step_{step:010d}.npz"
+        path = self.directory / f"step_{step:010d}{_SUFFIX}"
         if not path.exists():
             return None
         try:
-            with np.load(path) as data:
-                meta = json.loads(bytes(data[_META]).decode())
-                keys = [decode_key(k) for k in meta["keys"]]
-                pieces = {k: data[f"a{i}"] for i, k in enumerate(keys)}
-                layout = int(meta["layout"])
-        except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as exc:
+            layout, pieces = _read(path)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning(
                 "host snapshot unreadable; falling back to the next tier",
                 step=step,
@@ -179,9 +193,27 @@ def _fits(pieces: Pieces, shapes: Sequence[tuple[tuple[int, ...], Any]]) -> bool
     return True
 
 
-def _savez(f: Any, arrays: dict[str, np.ndarray]) -> None:
-    np.savez(f, **arrays)  # type: ignore[arg-type]  # numpy's stub types **kwds as its bool flag
+def _read(path: Path) -> tuple[int, Pieces]:
+    """The layout and pieces of a snapshot file, as read-only views of it mapped into memory (no
+    byte is read until used). ValueError if the file is not a whole snapshot."""
+    with open(path, "rb") as f:
+        if f.read(len(_MAGIC)) != _MAGIC:
+            raise ValueError("not a remesh snapshot")
+        length = int.from_bytes(f.read(8), "little")
+        if not 0 < length <= _HEADER_MAX:
+            raise ValueError(f"header length {length} is out of range")
+        header = json.loads(f.read(length))
+    start = -(-(len(_MAGIC) + 8 + length) // _ALIGN) * _ALIGN
+    size = path.stat().st_size
+    if size != start + int(header["size"]):
+        raise ValueError(f"truncated: {size} bytes, the header describes {start + int(header['size'])}")
+    mapped = np.memmap(path, dtype=np.uint8, mode="r") if header["size"] else np.zeros(0, np.uint8)
+    pieces: Pieces = {}
+    for raw_key, dtype, shape, at, nbytes in header["pieces"]:
+        flat = mapped[start + at : start + at + nbytes] if nbytes else np.zeros(0, np.uint8)
+        pieces[decode_key(raw_key)] = flat.view(np.dtype(dtype)).reshape(shape)
+    return int(header["layout"]), pieces
 
 
 def _step_of(path: Path) -> int:
-    return int(path.name.removeprefix("step_").removesuffix(".npz"))
+    return int(path.name.removeprefix("step_").removesuffix(_SUFFIX))

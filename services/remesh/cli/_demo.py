@@ -77,6 +77,14 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--layers", type=int, default=DemoConfig.layers, help="transformer layers")
     p.add_argument("--seq-len", type=int, default=DemoConfig.seq_len, help="tokens per training row")
     p.add_argument(
+        "--sharding",
+        choices=("replicated", "fsdp", "hsdp"),
+        default=DemoConfig.sharding,
+        help="the state's layout: whole on every host, sharded over every device (fsdp), or sharded "
+        "inside replica groups of two hosts (hsdp); fsdp/hsdp want a --d-model that divides by the "
+        "device counts (e.g. 96)",
+    )
+    p.add_argument(
         "--step-sleep", type=float, default=0.05, help="pause after each step (stands for compute)"
     )
     p.set_defaults(run=run)
@@ -125,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
         d_model=args.d_model,
         layers=args.layers,
         seq_len=args.seq_len,
+        sharding=args.sharding,
     )
     # SIGTERM stops the demo like Ctrl-C does: every process it started is stopped.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
@@ -165,6 +174,9 @@ def _print_summary(console: Console, report: dict[str, Any], out: Path) -> None:
             f"restored step {f['restored_step']} from {', '.join(f['restore_sources'])}, "
             f"{f['steps_lost']} step(s) lost"
         )
+        if f.get("restored_bytes"):
+            tiers = ", ".join(f"{tier} {n / 2**20:.1f} MiB" for tier, n in f["restored_bytes"].items())
+            console.print(f"    state restored from: {tiers}", style="dim")
         console.print(f"    phases (s): {phases}", style="dim")
     if s.get("finished_step") is not None:
         after = s.get("events_after_finish") or []

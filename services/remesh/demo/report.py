@@ -118,6 +118,12 @@ def _failure_report(
         phases[name] = max(p.get(name, 0.0) for p in phases_by_member)
     restored = min(int(a["details"].get("restored_step", "-1")) for a in acks)
     sources = sorted({a["details"].get("restore_source", "") for a in acks})
+    # Where each member's state came from: bytes per tier, and all members together.
+    by_member = {a.get("host_id", ""): _restored_bytes(a) for a in acks}
+    tiers: dict[str, int] = {}
+    for member in by_member.values():
+        for tier, n in member.items():
+            tiers[tier] = tiers.get(tier, 0) + n
     out.update(
         recovered=True,
         mttr_s=live["time"] - t_kill,
@@ -125,12 +131,22 @@ def _failure_report(
         phases={k: round(v, 4) for k, v in phases.items()},
         restored_step=restored,
         restore_sources=sources,
+        restored_bytes=dict(sorted(tiers.items())),
+        restored_bytes_by_member=by_member,
         steps_lost=max(0, step_at_kill - max(restored, 0)),
         dead_reason=dead.get("reason", ""),
         topology_reason=changed.get("reason", ""),
         world_size_after=len((changed.get("topology") or {}).get("members", [])),
     )
     return out
+
+
+def _restored_bytes(ack: Mapping[str, Any]) -> dict[str, int]:
+    try:
+        raw = json.loads(ack["details"].get("restored_bytes", "{}"))
+    except ValueError:
+        return {}
+    return {str(k): int(v) for k, v in raw.items()} if isinstance(raw, dict) else {}
 
 
 def _goodput(

@@ -111,6 +111,8 @@ class DemoConfig:
     step_sleep: float = 0.05
     d_model: int = 64
     layers: int = 2
+    # replicated | fsdp | hsdp (replica groups of two hosts): how the trainers lay out the state.
+    sharding: str = "replicated"
     seq_len: int = 64
     duration_s: float | None = None  # stop at this many seconds of training even before ``steps``
     replace_failed: bool = True
@@ -129,6 +131,8 @@ class DemoConfig:
             raise DemoError("--spares must be at least 0")
         if self.steps < 1:
             raise DemoError("--steps must be at least 1")
+        if self.sharding not in ("replicated", "fsdp", "hsdp"):
+            raise DemoError(f"unknown sharding {self.sharding!r}: replicated, fsdp or hsdp")
         if self.mode not in ("inplace", "restart"):
             raise DemoError(f"unknown mode {self.mode!r}: inplace or restart")
         if self.schedule.how not in ("kill", "stop"):
@@ -236,6 +240,10 @@ class DemoRun:
             "--devices", str(c.devices), "--log-every", "25", "--step-sleep", str(c.step_sleep),
             "--metrics-dir", str(self.metrics_dir),
             "--gcs", self._gcs_url, "--checkpoint-every", str(c.checkpoint_every),
+            "--sharding", c.sharding,
+            # A sharded state is checkpointed by every host for its own shards, into a directory
+            # they all reach (here: on this machine); the GCS tier takes replicated states.
+            *(["--checkpoint-dir", str(self.out / "checkpoints")] if c.sharding != "replicated" else []),
         ]  # fmt: skip
 
     def _start_host(self, host_id: str, *, spare: bool = False) -> None:
