@@ -151,17 +151,18 @@ def test_a_sharded_checkpoint_restores_with_plain_orbax_onto_another_mesh(
         assert a.tobytes() == b.tobytes()
 
 
-def test_hsdp_a_lost_host_comes_from_the_other_group_and_a_lost_group_shrinks(
+def test_hsdp_a_lost_host_comes_from_the_other_group_a_lost_group_shrinks_and_returning_hosts_grow(
     tmp_path: Path, redis: RedisServer
 ) -> None:
     """HSDP, 2 replica groups of 2 hosts + 1 spare. Kill host-1: the spare takes its rank and its
-    shards from the other group's host. Then kill both hosts of the second group: no spare is left,
-    the job continues on the remaining group, whose hosts hold every shard already, and the loss
-    keeps falling."""
+    shards from the other group's host. Kill both hosts of the second group: no spare is left, the
+    job continues on the remaining group, whose hosts hold every shard already, and the loss keeps
+    falling. Start those two hosts again: the job grows back to two groups, the returning hosts
+    taking their shards from the members that hold them."""
     cluster = Cluster(tmp_path, redis.url, new_job_id())
     final = tmp_path / "final.npz"
     command = trainer(final, "--sharding", "hsdp", "--hosts-per-replica", "2", "--d-model", "96")
-    command[command.index("--steps") + 1] = "60"
+    command[command.index("--steps") + 1] = "80"
     try:
         cluster.start_coordinator("--world-size", "4", "--min-world-size", "2")
         for h in ("host-0", "host-1", "host-2", "host-3"):
@@ -177,20 +178,43 @@ def test_hsdp_a_lost_host_comes_from_the_other_group_and_a_lost_group_shrinks(
         wait_for(lambda: at("spare-0", 30), 120, "the spare to train")
         cluster.agents["host-2"].kill()
         cluster.agents["host-3"].kill()
+        wait_for(
+            lambda: (
+                [m.host_id for m in cluster.topology().members] == ["host-0", "spare-0"] and at("host-0", 45)
+            ),
+            120,
+            "the job to train on one group",
+        )
+        shrunk_epoch = cluster.topology().epoch
+        at_return = cluster.members()["host-0"].last_step
+        for h in ("host-2", "host-3"):  # the hosts come back (as spares) and the job grows
+            cluster.start_agent(h, trainer=command, env=ENV)
         wait_for(final.exists, 180, "the job to finish")
 
-        after = cluster.topology()
-        assert [m.host_id for m in after.members] == ["host-0", "spare-0"], after
         replaced = acks(cluster, 2)
         assert replaced["spare-0"].get("peer", 0) > 0 and "buddy" not in replaced["spare-0"], replaced
-        shrunk = acks(cluster, after.epoch)
+        shrunk = acks(cluster, shrunk_epoch)
         assert set(shrunk) == {"host-0", "spare-0"}
         # Each survivor already held its group's shards: the new mesh needed no byte from anyone.
         assert all(len(t) == 1 and set(t) <= {"memory", "host-shm"} for t in shrunk.values()), shrunk
+        after = cluster.topology()
+        members = [m.host_id for m in after.members]
+        assert members[:2] == ["host-0", "spare-0"] and sorted(members[2:]) == ["host-2", "host-3"], after
+        grown = acks(cluster, after.epoch)
+        # The returning hosts' old snapshots (from where they left) do not send the job back.
+        steps = {
+            int(e.details["restored_step"])
+            for e in cluster.events()
+            if e.type == pb.EVENT_TYPE_EPOCH_ACKED and e.epoch == after.epoch
+        }
+        assert len(steps) == 1 and steps.pop() >= at_return, (steps, at_return)
+        for host in ("host-2", "host-3"):
+            assert grown[host].get("peer", 0) > 0 and set(grown[host]) == {"peer"}, grown
         logged = steps_logged(cluster)
-        assert {ws for _, _, ws in logged} >= {4, 2}
+        assert {ws for _, _, ws in logged} == {4, 2}
         two = [(s, loss) for s, loss, ws in logged if ws == 2]
-        assert two and two[-1][0] == 60 and two[-1][1] < logged[0][1], logged
+        assert two and two[-1][1] < logged[0][1], logged
+        assert max(s for s, _, ws in logged if ws == 4) == 80
     except TimeoutError as exc:
         raise AssertionError(f"{exc}\n{cluster.log_tails(25)}") from exc
     finally:

@@ -29,6 +29,10 @@ from remesh.demo.report import PHASES, compare
 log = structlog.get_logger("remesh.cli")
 
 
+# The demo model width for a sharded state: divides by 4, 6 and 8 devices (and 4 heads).
+SHARDED_D_MODEL = 96
+
+
 def _int_list(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())
@@ -73,7 +77,13 @@ def add_parser(sub: Any) -> None:
                    help="gs://BUCKET/PREFIX for checkpoints (env REMESH_GCS_URL); default: an embedded GCS emulator")  # fmt: skip
     p.add_argument("--port", type=int, default=0, help="the coordinator's gRPC port (default: any free one)")
     p.add_argument("--checkpoint-every", type=int, default=25, help="checkpoint every N steps (rank 0)")
-    p.add_argument("--d-model", type=int, default=DemoConfig.d_model, help="model width")
+    p.add_argument(
+        "--d-model",
+        type=int,
+        default=None,
+        help=f"model width (default {DemoConfig.d_model}; {SHARDED_D_MODEL} with --sharding fsdp/hsdp, which "
+        "divides by 4, 6 and 8 devices so every matrix stays sharded through a shrink)",
+    )
     p.add_argument("--layers", type=int, default=DemoConfig.layers, help="transformer layers")
     p.add_argument("--seq-len", type=int, default=DemoConfig.seq_len, help="tokens per training row")
     p.add_argument(
@@ -130,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         step_sleep=args.step_sleep,
         duration_s=args.duration,
         port=args.port,
-        d_model=args.d_model,
+        d_model=args.d_model or (DemoConfig.d_model if args.sharding == "replicated" else SHARDED_D_MODEL),
         layers=args.layers,
         seq_len=args.seq_len,
         sharding=args.sharding,

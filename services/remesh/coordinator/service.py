@@ -457,7 +457,10 @@ class Coordinator:
             self._liveness[host_id] = replace(seen, last_seen=now)
         else:
             self._liveness[host_id] = Liveness(incarnation, last_seen=now)
-        if step >= 0 and self._steps.get(host_id) != step:
+        if self._steps.get(host_id, -1) != step:
+            # -1 comes from an agent whose trainer has reported nothing yet: a host that came back
+            # (a new incarnation). Its old step is forgotten, else the next restore step (the oldest
+            # step of the members) would send the job back to where that host left it.
             self._steps[host_id] = step
             self._dirty_steps[host_id] = step
         if events:
