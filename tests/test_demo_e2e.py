@@ -279,7 +279,9 @@ def test_ctrl_c_stops_every_process_the_demo_started(tmp_path: Path) -> None:
                 return ""
             (job,) = jobs
             hosts = {
-                p.name.removeprefix(f"remesh-{job}-") for p in shm_snapshots(job) if any(p.glob("step_*.snap"))
+                p.name.removeprefix(f"remesh-{job}-")
+                for p in shm_snapshots(job)
+                if any(p.glob("step_*.snap"))
             }
             return job if {"host-0", "host-1"} <= hosts else ""
 
