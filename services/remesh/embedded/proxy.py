@@ -155,21 +155,29 @@ class ConnectProxy:
     async def _pump(
         self, tunnel: _Tunnel, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        while True:
-            data = await reader.read(_CHUNK)
-            if not data:
-                break
-            if tunnel.severed:
-                continue  # the cable is pulled: what arrives goes nowhere
-            writer.write(data)
-            await writer.drain()
+        try:
+            while True:
+                data = await reader.read(_CHUNK)
+                if not data:
+                    break
+                if tunnel.severed:
+                    continue  # the cable is pulled: what arrives goes nowhere
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, OSError):
+            # A side reset the connection: the same as closing it. Raised, it would sit unretrieved
+            # in a task whose gather was cancelled, and be logged with a traceback whenever the
+            # garbage collector finds it: on CPython 3.11 that formatting parses source (ast), and
+            # inside another ast.parse it fails that one ("AST constructor recursion depth mismatch").
+            pass
         if not tunnel.severed:
             tunnel.close()  # one side closed: close the other (a severed tunnel stays silent)
 
     @staticmethod
     async def _discard(tunnel: _Tunnel, reader: asyncio.StreamReader) -> None:
-        while await reader.read(_CHUNK):
-            pass
+        with contextlib.suppress(ConnectionError, OSError):  # see _pump
+            while await reader.read(_CHUNK):
+                pass
 
 
 async def _run(port: int, port_file: Path | None) -> None:
