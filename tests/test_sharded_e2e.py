@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from remesh.embedded import RedisServer
+from remesh.embedded import FakeGcsServer, RedisServer
 from remesh.v1 import coordinator_pb2 as pb
 from tests.procs import Cluster, wait_for
 from tests.test_elastic_e2e import ENV, KILL_AT, STEPS, leaves, new_job_id, run_job, steps_logged, trainer
@@ -47,6 +47,12 @@ def clean_fsdp(tmp_path_factory: pytest.TempPathFactory, redis: RedisServer) -> 
     )
     cluster.close()
     yield final, ckpt
+
+
+@pytest.fixture(scope="module")
+def gcs() -> Iterator[FakeGcsServer]:
+    with FakeGcsServer() as server:
+        yield server
 
 
 def acks(cluster: Cluster, epoch: int) -> dict[str, dict[str, int]]:
@@ -84,6 +90,41 @@ def test_fsdp_a_killed_host_is_restored_from_its_buddy_copy_bitwise_equal(
         clean, _ = clean_fsdp
         for a, b in zip(leaves(final), leaves(clean), strict=True):
             assert (a.dtype, a.shape) == (b.dtype, b.shape)
+            assert a.tobytes() == b.tobytes(), "the state differs from the run without failure"
+    finally:
+        cluster.close()
+
+
+def test_fsdp_restored_from_the_shards_every_host_wrote_to_gcs_is_bitwise_equal(
+    tmp_path: Path, redis: RedisServer, gcs: FakeGcsServer, clean_fsdp: tuple[Path, Path]
+) -> None:
+    """No host-memory tier at all (so no buddy copies either): every host writes its own shards
+    straight to the GCS emulator every 5 steps, rank 0 commits; after a SIGKILL every member of
+    the new epoch reads its shards of the newest commit from GCS, and the run ends bitwise equal."""
+    bucket = f"e2e-{new_job_id()}"
+    gcs.create_bucket(bucket)
+    final, cluster = run_job(
+        tmp_path,
+        redis.url,
+        spares=1,
+        victim="host-1",
+        trainer_args=(*FSDP, "--no-snapshots", "--gcs", f"gs://{bucket}/job", "--checkpoint-every", "5"),
+        env=gcs.env(),
+    )
+    try:
+        after = cluster.topology()
+        assert [m.host_id for m in after.members] == ["host-0", "spare-0", "host-2"]
+        tiers = acks(cluster, 2)
+        assert sorted(tiers) == ["host-0", "host-2", "spare-0"]
+        assert all(set(t) == {"gcs"} and t["gcs"] > 0 for t in tiers.values()), tiers
+        restored = {
+            int(e.details["restored_step"])
+            for e in cluster.events()
+            if e.type == pb.EVENT_TYPE_EPOCH_ACKED and e.epoch == 2
+        }
+        assert len(restored) == 1 and (step := restored.pop()) % 5 == 0 and 0 < step <= after.restore_step
+        clean, _ = clean_fsdp
+        for a, b in zip(leaves(final), leaves(clean), strict=True):
             assert a.tobytes() == b.tobytes(), "the state differs from the run without failure"
     finally:
         cluster.close()

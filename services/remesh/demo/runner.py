@@ -240,10 +240,7 @@ class DemoRun:
             "--devices", str(c.devices), "--log-every", "25", "--step-sleep", str(c.step_sleep),
             "--metrics-dir", str(self.metrics_dir),
             "--gcs", self._gcs_url, "--checkpoint-every", str(c.checkpoint_every),
-            "--sharding", c.sharding,
-            # A sharded state is checkpointed by every host for its own shards, into a directory
-            # they all reach (here: on this machine); the GCS tier takes replicated states.
-            *(["--checkpoint-dir", str(self.out / "checkpoints")] if c.sharding != "replicated" else []),
+            "--sharding", c.sharding,  # a sharded state: every host writes its own shards to GCS
         ]  # fmt: skip
 
     def _start_host(self, host_id: str, *, spare: bool = False) -> None:
