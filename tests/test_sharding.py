@@ -4,6 +4,7 @@ pieces (and their failure modes); the piece server over real loopback sockets.""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -76,7 +77,7 @@ ROWS = [((0, 2), (0, 4)), ((2, 4), (0, 4)), ((4, 6), (0, 4))]
 SHAPES = [(6, 4)]
 
 
-def offer(rank: int, own: list[int], buddy: list[int] = (), tier: str = "memory") -> Offer:  # type: ignore[assignment]
+def offer(rank: int, own: Sequence[int], buddy: Sequence[int] = (), tier: str = "memory") -> Offer:
     return Offer(rank, frozenset((0, ROWS[i]) for i in own), frozenset((0, ROWS[i]) for i in buddy), tier)
 
 

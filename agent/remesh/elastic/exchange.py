@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -137,8 +138,6 @@ def fetch(
 def advertised_host(peer: str) -> str:
     """The address of this machine that ``peer`` (host:port) reaches it on: the source address the
     kernel picks for a route to it. ``REMESH_PEER_HOST`` overrides."""
-    import os
-
     if override := os.environ.get("REMESH_PEER_HOST"):
         return override
     host = peer.rpartition(":")[0].strip("[]") or "127.0.0.1"

@@ -816,7 +816,7 @@ class Session:
             for store in self.checkpoints:
                 if not getattr(store, "sharded_saves", False):
                     continue
-                ok = 1 if assignment.rank != 0 else int(store.prepare_global(step, assignment.epoch))
+                ok = 1 if assignment.rank != 0 else self._prepare_sharded(store, step, assignment.epoch)
                 if not self.runtime.allgather_int(
                     f"ckpt-{store.name}-{step}", ok, self.policy.init_timeout_s
                 )[0]:
@@ -831,6 +831,16 @@ class Session:
             log.warning("sharded checkpoint save failed", step=step, error=str(exc).splitlines()[0])
         finally:
             self.stats["checkpoint_save_s"] += time.monotonic() - t
+
+    @staticmethod
+    def _prepare_sharded(store: CheckpointStore, step: int, epoch: int) -> int:
+        """Rank 0's go (1) or no-go (0) for a sharded save; a failure is a no-go, said at once, so
+        the others do not wait for an answer that never comes."""
+        try:
+            return int(store.prepare_global(step, epoch))
+        except Exception as exc:
+            log.warning("sharded checkpoint not written", store=store.name, step=step, error=str(exc))
+            return 0
 
     def _wait_for_save(self) -> None:
         if self._saving is not None:
