@@ -742,20 +742,12 @@ class Session:
         if not self.policy.buddy_every or assignment.world_size < 2 or self.policy.snapshots_kept <= 0:
             return None
         buddy = (assignment.rank + 1) % assignment.world_size
-        keys: set[tuple[int, Cell]] = set()
-        mine: set[tuple[int, Cell]] = set()
-        for i, (sharding, (shape, _)) in enumerate(zip(shardings, self._shapes(), strict=True)):
-            for device, index in sharding.devices_indices_map(shape).items():
-                if _process_of(device) == buddy:
-                    keys.add((i, cell_of(index, shape)))
-                elif _process_of(device) == assignment.rank:
-                    mine.add((i, cell_of(index, shape)))
-        # Cells the other replica groups hold too need no copy: only those with a single holder.
         holders: dict[tuple[int, Cell], set[int]] = {}
         for i, (sharding, (shape, _)) in enumerate(zip(shardings, self._shapes(), strict=True)):
             for device, index in sharding.devices_indices_map(shape).items():
                 holders.setdefault((i, cell_of(index, shape)), set()).add(_process_of(device))
-        only_there = sorted(k for k in keys if k not in mine and holders[k] == {buddy})
+        # Only the cells the buddy alone holds: another replica group, or this process, has the rest.
+        only_there = sorted(key for key, ranks in holders.items() if ranks == {buddy})
         return (buddy, only_there) if only_there else None
 
     def _maybe_copy_buddy(self, step: int, assignment: Assignment) -> None:
@@ -814,7 +806,7 @@ class Session:
         t = time.monotonic()
         try:
             for store in self.checkpoints:
-                if not getattr(store, "sharded_saves", False):
+                if not store.sharded_saves:
                     continue
                 ok = 1 if assignment.rank != 0 else self._prepare_sharded(store, step, assignment.epoch)
                 if not self.runtime.allgather_int(
