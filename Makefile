@@ -1,11 +1,17 @@
 # The two commands of the README. Each sets up what it needs (a virtual environment in .venv) first.
 #   make demo   run the end-to-end recovery demo
-#   make test   lint, type-check and run the whole test suite (what CI runs)
+#   make test   lint, type-check and run the whole test suite, then the control plane's tests on the
+#               lowest versions pyproject.toml allows (what CI runs)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint bench
+.PHONY: demo test lint lowest bench
+
+LOWEST := .venv-lowest
+# The control plane's tests, on a plain `pip install remesh` (no extras, so no JAX) pinned to the
+# lowest versions pyproject.toml declares: a declared minimum that is wrong fails here.
+LOWEST_TESTS := tests/test_control_plane.py tests/test_redis_production.py tests/test_bad_input.py tests/test_contract.py
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,9 +27,22 @@ lint: $(BIN)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy services agent benchmarks
+	$(BIN)/lint-imports
 
 test: lint
 	$(BIN)/python -m pytest -q
+	$(MAKE) lowest
+
+lowest:
+	rm -rf $(LOWEST)
+	$(PYTHON) -m venv $(LOWEST)
+	$(LOWEST)/bin/python -m pip install -q --upgrade pip
+	$(PYTHON) .ci/lowest_constraints.py > $(LOWEST)/constraints.txt
+	$(LOWEST)/bin/python -m pip install -q -c $(LOWEST)/constraints.txt . pytest pytest-timeout hypothesis
+	$(LOWEST)/bin/python -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("jax") is not None)'
+	$(LOWEST)/bin/remesh coordinator --help > /dev/null
+	$(LOWEST)/bin/remesh agent --help > /dev/null
+	$(LOWEST)/bin/python -m pytest -q -p no:cacheprovider $(LOWEST_TESTS)
 
 bench: $(BIN)/.installed
 	$(BIN)/python benchmarks/detection.py

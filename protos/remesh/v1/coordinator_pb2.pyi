@@ -235,20 +235,16 @@ class RegisterResponse(_message.Message):
     def __init__(self, member: _Optional[_Union[Member, _Mapping]] = ..., topology: _Optional[_Union[Topology, _Mapping]] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("host_id", "incarnation", "step", "trainer_status", "trainer_epoch", "sent_at")
+    __slots__ = ("host_id", "incarnation", "step", "trainer_status")
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TRAINER_STATUS_FIELD_NUMBER: _ClassVar[int]
-    TRAINER_EPOCH_FIELD_NUMBER: _ClassVar[int]
-    SENT_AT_FIELD_NUMBER: _ClassVar[int]
     host_id: str
     incarnation: int
     step: int
     trainer_status: TrainerStatus
-    trainer_epoch: int
-    sent_at: float
-    def __init__(self, host_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., step: _Optional[int] = ..., trainer_status: _Optional[_Union[TrainerStatus, str]] = ..., trainer_epoch: _Optional[int] = ..., sent_at: _Optional[float] = ...) -> None: ...
+    def __init__(self, host_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., step: _Optional[int] = ..., trainer_status: _Optional[_Union[TrainerStatus, str]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("topology", "command", "reason")
