@@ -23,6 +23,7 @@ import pytest
 from remesh.v1 import agent_pb2 as apb
 from remesh.v1 import agent_pb2_grpc as apb_grpc
 from remesh.v1 import coordinator_pb2 as pb
+from remesh.v1.contract import TrainerAssignment
 
 pytestmark = pytest.mark.integration
 
@@ -84,19 +85,25 @@ def test_the_stand_in_retries_transient_local_api_errors_and_never_exits_on_them
     apb_grpc.add_AgentLocalServicer_to_server(agent, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    env = {
-        **os.environ,
-        "REMESH_AGENT_ADDRESS": f"127.0.0.1:{port}",
-        "REMESH_EPOCH": "1",
-        "REMESH_RANK": "0",
-        "REMESH_RESTORE_STEP": "-1",
-        "STAND_IN_STEP_S": "0.01",
-    }
+    given = TrainerAssignment(
+        agent_address=f"127.0.0.1:{port}",
+        slot=1,
+        host_id="host-0",
+        job_id="stand-in",
+        epoch=1,
+        rank=0,
+        world_size=1,
+        jax_coordinator="",
+        restore_step=-1,
+        device_count=1,
+        commits=(),
+    )
+    env = {**os.environ, **given.to_env(), "STAND_IN_STEP_S": "0.01"}
     env.pop("STAND_IN_FAIL_AT", None)
     started = time.monotonic()
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "remesh.agent.standin"],
+            [sys.executable, "-m", "remesh.embedded.standin"],
             env=env,
             capture_output=True,
             text=True,

@@ -6,6 +6,6 @@ It imports only the protos, never the coordinator.
 
 from remesh.agent.daemon import Agent, AgentExit
 from remesh.agent.settings import AgentSettings
-from remesh.agent.supervisor import RESTART_EXIT_CODE
+from remesh.v1.contract import RESTART_EXIT_CODE
 
 __all__ = ["RESTART_EXIT_CODE", "Agent", "AgentExit", "AgentSettings"]

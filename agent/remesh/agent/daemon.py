@@ -28,33 +28,54 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import replace
 from typing import Any, TypeVar
 
 import grpc
 import structlog
 
+from remesh.agent import core
+from remesh.agent.connection import CoordinatorLink, leader_hint, metadata
+from remesh.agent.core import AgentState, Decision, Do, Fault
+from remesh.agent.local_api import LocalApi
 from remesh.agent.settings import AgentSettings
-from remesh.agent.supervisor import (
-    ADDRESS_IN_USE_EXIT_CODE,
-    RESTART_EXIT_CODE,
-    STATE_LOST_EXIT_CODE,
-    TrainerExit,
-    TrainerProcess,
-)
+from remesh.agent.supervisor import Role, Run, TrainerProcess
 from remesh.v1 import agent_pb2 as apb
 from remesh.v1 import agent_pb2_grpc as apb_grpc
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
+from remesh.v1.contract import FINISHED_METADATA, TrainerAssignment, commits_of, rank_of
 
 __all__ = ["Agent", "AgentExit"]
 
 log = structlog.get_logger("remesh.agent")
 
 T = TypeVar("T")
+
+
+def _thread_schedstat() -> tuple[float, float] | None:
+    """(seconds on a CPU, seconds runnable but waiting for one) of the calling thread; None where
+    the kernel does not say (not Linux, or schedstats off)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            ran, waited = f.read().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return int(ran) / 1e9, int(waited) / 1e9
+
+
+def _where_the_time_went(
+    gap: float, before: tuple[float, float] | None, after: tuple[float, float] | None
+) -> dict[str, float]:
+    if before is None or after is None:
+        return {}
+    ran, waited = after[0] - before[0], after[1] - before[1]
+    return {
+        "ran_s": round(ran, 3),
+        "waited_for_cpu_s": round(waited, 3),
+        "blocked_s": round(gap - ran - waited, 3),
+    }
 
 
 class AgentExit(Exception):
@@ -76,36 +97,18 @@ class _StreamEnded(Exception):
 
 _EOF: Any = getattr(grpc.aio, "EOF")  # noqa: B009 - the type stubs lack it
 
-# The trailing metadata key in which a follower coordinator names the leader (remesh.coordinator.server).
-LEADER_METADATA = "remesh-leader"
-# The trailing metadata key of a refusal because the job finished (its last step).
-FINISHED_METADATA = "remesh-finished"
 # How long a call the trainer waits on (acknowledge, commit, finish) keeps trying through a leader
 # change or a reconnect: longer than a failover takes (~1.5 s), shorter than the trainer's own
 # deadline for the local call.
 _RELAYED_CALL_S = 8.0
 
 
-def _metadata(exc: grpc.aio.AioRpcError, key: str) -> str | None:
-    metadata: Any = exc.trailing_metadata() or ()  # grpc.aio.Metadata: (key, value) pairs
-    for k, value in metadata:
-        if k == key:
-            return value if isinstance(value, str) else value.decode()
-    return None
-
-
-def leader_hint(exc: grpc.aio.AioRpcError) -> str | None:
-    """The leader a follower named in its refusal ("" if it knows none); None if it was no follower's."""
-    if exc.code() != grpc.StatusCode.UNAVAILABLE:
-        return None
-    return _metadata(exc, LEADER_METADATA)
-
-
-def rank_of(topology: pb.Topology, host_id: str) -> int:
-    for m in topology.members:
-        if m.host_id == host_id:
-            return int(m.rank)
-    return -1
+_FAULT_KINDS = {
+    Fault.TRAINER_EXITED: pb.FAULT_KIND_TRAINER_EXITED,
+    Fault.TRAINER_HUNG: pb.FAULT_KIND_TRAINER_HUNG,
+    Fault.ADDRESS_IN_USE: pb.FAULT_KIND_ADDRESS_IN_USE,
+    Fault.STATE_LOST: pb.FAULT_KIND_STATE_LOST,
+}
 
 
 class Agent:
@@ -123,33 +126,21 @@ class Agent:
         self._slots = 0
         # Bumped on every new epoch and every promotion: assignment watchers wake on it.
         self._version = 0
-        # A trainer that died as collateral damage of a topology change waits for the next epoch.
-        self._restart_after_epoch: int | None = None
+        # Where the agent stands with the coordinator, and whether it starts trainers (core.AgentState).
+        self.state = AgentState()
         self._starting = asyncio.Lock()
-        self._coordinator_index = 0
-        # The leader a follower named, tried before the configured addresses; and the address that
-        # last failed to answer (a hint naming it is stale: the dead leader's lease has not run out).
-        self._leader: str | None = None
-        self._unreachable = ""
-        self._address = ""
-        self._backoff = settings.reconnect_initial_s
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: pb_grpc.CoordinatorStub | None = None
+        self.link = CoordinatorLink(
+            settings.coordinators,
+            keepalive_s=settings.keepalive_s,
+            reconnect_initial_s=settings.reconnect_initial_s,
+            reconnect_max_s=settings.reconnect_max_s,
+        )
         self._stopping = asyncio.Event()
         self._trainer_watch: asyncio.Task[None] | None = None
         self._shutdown_task: asyncio.Task[None] | None = None
-        # The trainer completed the job's last step (it said so, or exited 0): however it exits from
-        # now on is no fault, and it is not started again.
-        self._finished = False
         # Set by a progress report: the next heartbeat goes out at once, so the coordinator knows
         # every member's last step within milliseconds (it picks the restore step from them).
         self._progress = asyncio.Event()
-        # When the last stream to a coordinator broke (None while one is open): the lease clock.
-        self._lost_at: float | None = None
-        # Epochs up to this one give this host no rank even where they list it: it registered again
-        # as a spare (a new process, a new incarnation) while they were current; its old rank went
-        # with its old incarnation, and it may take one again only in a newer epoch.
-        self._unranked_through = 0
         self._warm_task: asyncio.Task[None] | None = None
         # The trainer's CPU time at the last heartbeat, and when it last changed (see _trainer_status).
         self._cpu_ticks: int | None = None
@@ -158,38 +149,12 @@ class Agent:
     # ---- coordinator connection ------------------------------------------------------------------
 
     def _connect(self) -> pb_grpc.CoordinatorStub:
-        if self._stub is None:
-            address = (
-                self._leader
-                or self.settings.coordinators[self._coordinator_index % len(self.settings.coordinators)]
-            )
-            self._address = address
-            ping_ms = int(self.settings.keepalive_s * 1000)
-            self._channel = grpc.aio.insecure_channel(
-                address,
-                options=[
-                    ("grpc.keepalive_time_ms", ping_ms),
-                    ("grpc.keepalive_timeout_ms", ping_ms),
-                    ("grpc.keepalive_permit_without_calls", 1),
-                    ("grpc.http2.max_pings_without_data", 0),
-                ],
-            )
-            self._stub = pb_grpc.CoordinatorStub(self._channel)
-        return self._stub
-
-    async def _disconnect(self, rotate: bool) -> None:
-        if self._channel is not None:
-            await self._channel.close(grace=None)
-        self._channel, self._stub = None, None
-        if rotate:
-            if self._leader is None:
-                self._coordinator_index += 1
-            self._leader = None
+        return self.link.stub()
 
     async def run(self) -> int:
         """Serve until told to stop; returns the process exit code."""
         local = grpc.aio.server()
-        apb_grpc.add_AgentLocalServicer_to_server(_LocalApi(self), local)
+        apb_grpc.add_AgentLocalServicer_to_server(LocalApi(self), local)
         port = local.add_insecure_port(self.settings.local_listen)
         await local.start()
         self.local_address = f"127.0.0.1:{port}"
@@ -204,9 +169,9 @@ class Agent:
                 except _Reregister as exc:
                     self.log.warning("coordinator asked to register again", reason=str(exc))
                     await self._stop_trainer("this incarnation is no longer a member")
-                    self._backoff = self.settings.reconnect_initial_s
+                    self.link.registered()
                 except (grpc.aio.AioRpcError, _StreamEnded) as exc:
-                    if isinstance(exc, grpc.aio.AioRpcError) and _metadata(exc, FINISHED_METADATA):
+                    if isinstance(exc, grpc.aio.AioRpcError) and metadata(exc, FINISHED_METADATA):
                         raise AgentExit(f"nothing to do: {exc.details()}", code=0) from exc
                     if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in (
                         grpc.StatusCode.INVALID_ARGUMENT,
@@ -216,21 +181,19 @@ class Agent:
                     hint = leader_hint(exc) if isinstance(exc, grpc.aio.AioRpcError) else None
                     if hint is not None:
                         # A replica answered: this host is not cut off, whatever the leader's state.
-                        self._lost_at = None
+                        self.state = self.state.answered()
                         await self._follow(hint)
                         continue
-                    if self._lost_at is None:
-                        self._lost_at = time.monotonic()
+                    self.state = self.state.unreachable(time.monotonic())
+                    address, pause = self.link.address, self.link.failed()
                     self.log.warning(
                         "coordinator unreachable; retrying",
-                        address=self._address,
+                        address=address,
                         error=exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc),
-                        retry_in_s=round(self._backoff, 3),
+                        retry_in_s=round(pause, 3),
                     )
-                    self._unreachable = self._address
-                    await self._disconnect(rotate=True)
-                    await self._pause(self._backoff)
-                    self._backoff = min(self._backoff * 2, self.settings.reconnect_max_s)
+                    await self.link.close(rotate=True)
+                    await self._pause(pause)
             return 0
         except AgentExit as exc:
             (self.log.info if exc.code == 0 else self.log.error)("agent exiting", reason=str(exc))
@@ -239,7 +202,7 @@ class Agent:
             lease.cancel()
             await self._stop_trainer("agent stopping", warm_too=True)
             await local.stop(0.2)
-            await self._disconnect(rotate=False)
+            await self.link.close(rotate=False)
 
     async def _pause(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
@@ -248,13 +211,13 @@ class Agent:
     async def _follow(self, leader: str) -> None:
         """A follower answered: go to the leader it names at once, or try the next address shortly
         (no leader known yet, or it names the one that just failed)."""
-        usable = leader and leader != self._unreachable and leader != self._address
+        usable = self.link.usable(leader)
         self.log.info(
-            "coordinator is a follower", address=self._address, leader=leader or None, following=bool(usable)
+            "coordinator is a follower", address=self.link.address, leader=leader or None, following=usable
         )
-        await self._disconnect(rotate=not usable)
+        await self.link.close(rotate=not usable)
         if usable:
-            self._leader = leader
+            self.link.follow(leader)
         else:
             await self._pause(self.settings.leader_retry_s)
 
@@ -289,14 +252,15 @@ class Agent:
             ),
             timeout=self.settings.coordinator_silence_s,
         )
-        self._backoff = self.settings.reconnect_initial_s
-        self._unreachable = ""
+        self.link.registered()
         self.incarnation = reply.member.incarnation
-        self._lost_at = None
+        self.state = self.state.registered(
+            epoch=reply.topology.epoch,
+            as_spare_listed_with_rank=reply.member.role == pb.ROLE_SPARE
+            and rank_of(reply.topology, self.settings.host_id) >= 0,
+        )
         self.log = log.bind(host=self.settings.host_id, incarnation=self.incarnation)
         self.log.info("registered", role=pb.Role.Name(reply.member.role), epoch=reply.topology.epoch)
-        if reply.member.role == pb.ROLE_SPARE and rank_of(reply.topology, self.settings.host_id) >= 0:
-            self._unranked_through = reply.topology.epoch
         interval = reply.heartbeat_interval_s or 0.1
         call = stub.Heartbeat(self._heartbeats(interval))
         silence = self.settings.coordinator_silence_s
@@ -306,7 +270,7 @@ class Agent:
             except TimeoutError:
                 call.cancel()
                 raise _StreamEnded(
-                    f"the coordinator at {self._address} sent nothing for {silence}s (not even a keepalive)"
+                    f"the coordinator at {self.link.address} sent nothing for {silence}s (not even a keepalive)"
                 ) from None
             if message is _EOF:
                 break
@@ -325,14 +289,23 @@ class Agent:
 
     async def _heartbeats(self, interval: float) -> AsyncIterator[pb.HeartbeatRequest]:
         incarnation = self.incarnation
+        sent, sched = time.monotonic(), _thread_schedstat()
         while not self._stopping.is_set():
+            gap, sent = time.monotonic() - sent, time.monotonic()
+            before, sched = sched, _thread_schedstat()
+            if gap > 3 * interval:
+                # The coordinator declares a host dead after a few missed heartbeats: a gap like
+                # this one comes from the agent's own host, not the network. Where the time went
+                # tells the cause: waiting for a CPU (starved), running (the loop was busy with work
+                # of its own), or neither (asleep in a system call, on a lock, or stopped).
+                self.log.warning(
+                    "heartbeat late", gap_s=round(gap, 3), **_where_the_time_went(gap, before, sched)
+                )
             yield pb.HeartbeatRequest(
                 host_id=self.settings.host_id,
                 incarnation=incarnation,
                 step=self.last_step,
                 trainer_status=self._trainer_status(),
-                trainer_epoch=self.trainer.epoch if self.trainer else 0,
-                sent_at=time.time(),
             )
             self._check_hang()
             with contextlib.suppress(TimeoutError):
@@ -346,35 +319,37 @@ class Agent:
             return
         while True:
             await asyncio.sleep(min(0.1, lease_s / 4))
-            lost_at, trainer = self._lost_at, self.trainer
-            if lost_at is None or trainer is None or not trainer.running():
-                continue
-            if self._rank(self.topology) < 0:
-                continue  # a standby trainer holds no rank: nothing to fence
-            cut_off = time.monotonic() - lost_at
-            if cut_off >= lease_s:
+            trainer = self.trainer
+            decision = core.lease_lost(
+                self.state,
+                now=time.monotonic(),
+                lease_s=lease_s,
+                running=trainer is not None and trainer.running(),
+                ranked=self._rank(self.topology) >= 0,
+            )
+            if decision.do is Do.STOP_TRAINER:
                 self.log.warning(
                     "lease lost: no coordinator reachable; stopping the trainer, which may no longer "
                     "hold its rank",
-                    cut_off_s=round(cut_off, 2),
+                    reason=decision.reason,
                     epoch=self.topology.epoch,
                 )
-                await self._stop_trainer(f"lease lost after {cut_off:.1f}s without a coordinator")
+                await self._stop_trainer(decision.reason)
 
     def _rank(self, topology: pb.Topology) -> int:
-        if topology.epoch <= self._unranked_through:
-            return -1
-        return rank_of(topology, self.settings.host_id)
+        return core.rank_in(
+            topology.epoch, rank_of(topology, self.settings.host_id), self.state.unranked_through
+        )
 
     # ---- trainer supervision ---------------------------------------------------------------------
 
     def _trainer_status(self) -> Any:
         trainer = self.trainer
-        if trainer is None:
+        if trainer is None or trainer.run is Run.NOT_STARTED:
             return pb.TRAINER_STATUS_NOT_STARTED
-        if trainer.hung:
+        if trainer.hung:  # killed for no progress, whether or not it has exited yet
             return pb.TRAINER_STATUS_HUNG
-        if not trainer.running():
+        if trainer.run is Run.EXITED:
             return pb.TRAINER_STATUS_EXITED
         # A trainer that used no CPU for a while is stopped or deadlocked (or waits in a collective,
         # which its own stall report says): the coordinator blames no member that still computes.
@@ -385,22 +360,36 @@ class Agent:
         return pb.TRAINER_STATUS_HUNG if idle else pb.TRAINER_STATUS_RUNNING
 
     def _check_hang(self) -> None:
-        timeout = self.settings.hang_timeout_s
         trainer = self.trainer
-        if timeout <= 0 or trainer is None or not trainer.running() or trainer.hung:
+        if trainer is None or trainer.hung:
             return
-        if self._rank(self.topology) < 0:
-            return  # a spare's trainer waits in standby: no progress is expected of it
-        since = time.monotonic() - max(self.last_progress, trainer.started_at)
-        if since > timeout:
+        now = time.monotonic()
+        if core.hung(
+            now=now,
+            timeout_s=self.settings.hang_timeout_s,
+            last_progress=self.last_progress,
+            started_at=trainer.started_at,
+            ranked=self._rank(self.topology) >= 0,
+            running=trainer.running(),
+        ):
+            silent = now - max(self.last_progress, trainer.started_at)
             self.log.warning(
-                "trainer hung: no step progress; killing it", silent_s=round(since, 1), epoch=trainer.epoch
+                "trainer hung: no step progress; killing it", silent_s=round(silent, 1), epoch=trainer.epoch
             )
             trainer.kill_hung()
 
     async def _on_topology(self, topology: pb.Topology) -> None:
         if topology.epoch < self.topology.epoch:
-            return  # an older epoch than we already run: stale
+            return  # stale: the agent keeps the newer topology it has (the core says so too)
+        trainer = self.trainer
+        decision = core.on_topology(
+            self.state,
+            current_epoch=self.topology.epoch,
+            epoch=topology.epoch,
+            halted=topology.halted,
+            halt_reason=topology.reason,
+            trainer_running=trainer is not None and trainer.running(),
+        )
         changed = topology.epoch != self.topology.epoch
         if changed and self._rank(topology) >= 0:
             # The hang clock starts afresh with every epoch the host holds a rank in: joining one
@@ -417,40 +406,35 @@ class Agent:
             world_size=len(topology.members),
             reason=topology.reason,
         )
-        if topology.halted:
+        if decision.do is Do.STOP_ALL_AND_EXIT:
             await self._stop_trainer("job halted", warm_too=True)
-            raise AgentExit(f"job halted: {topology.reason}", code=3)
-        trainer = self.trainer
-        idle = trainer is None or not trainer.running()
-        waiting = self._restart_after_epoch is not None and topology.epoch <= self._restart_after_epoch
-        if idle and not waiting and not self._finished:
-            # Spares run their trainer too, in standby (JAX imported, waiting for a rank): a hot
-            # spare joins a new epoch without paying for a process start.
+            raise AgentExit(decision.reason, code=decision.exit_code)
+        if decision.do is Do.START_TRAINER:
             await self._start_trainer(topology, rank)
-        # A running trainer sees the new epoch through the local API and re-meshes in-process.
 
     def trainer_env(self, topology: pb.Topology, rank: int, slot: int) -> Mapping[str, str]:
-        return {
-            "REMESH_TRAINER_SLOT": str(slot),
-            "REMESH_AGENT_ADDRESS": self.local_address,
-            "REMESH_HOST_ID": self.settings.host_id,
-            "REMESH_JOB": self.settings.job_id,
-            "REMESH_EPOCH": str(topology.epoch),
-            "REMESH_RANK": str(rank),
-            "REMESH_WORLD_SIZE": str(len(topology.members)),
-            "REMESH_JAX_COORDINATOR": topology.jax_coordinator_address,
-            "REMESH_RESTORE_STEP": str(topology.restore_step),
-            "REMESH_DEVICE_COUNT": str(self.settings.device_count),
-            "REMESH_COMMITS": ",".join(f"{c.step}:{c.epoch}" for c in topology.commits),
-        }
+        return TrainerAssignment(
+            agent_address=self.local_address,
+            slot=slot,
+            host_id=self.settings.host_id,
+            job_id=self.settings.job_id,
+            epoch=topology.epoch,
+            rank=rank,
+            world_size=len(topology.members),
+            jax_coordinator=topology.jax_coordinator_address,
+            restore_step=topology.restore_step,
+            device_count=self.settings.device_count,
+            commits=commits_of(topology.commits),
+        ).to_env()
 
-    async def _spawn(self, topology: pb.Topology, rank: int) -> TrainerProcess:
+    async def _spawn(self, topology: pb.Topology, rank: int, role: Role) -> TrainerProcess:
         self._slots += 1
         trainer = TrainerProcess(
             self.settings.trainer_command,
             self.trainer_env(topology, rank, self._slots),
             topology.epoch,
             nice=self.settings.trainer_nice,
+            role=role,
         )
         trainer.slot = self._slots
         await trainer.start()
@@ -465,20 +449,19 @@ class Agent:
             await self._start_trainer_locked(topology, rank)
 
     async def _start_trainer_locked(self, topology: pb.Topology, rank: int) -> None:
-        self._restart_after_epoch = None
+        self.state = self.state.trainer_started()
         self.last_progress = time.monotonic()
         warm = self.warm
         if warm is not None and warm.running():
             # Promote the standby: it waits on WatchAssignments and takes the rank at once.
             self.warm = None
-            warm.epoch = topology.epoch
-            warm.started_at = time.monotonic()
+            warm.promote(topology.epoch)
             self.trainer = warm
             self.log.info("warm standby trainer promoted", pid=warm.pid, slot=warm.slot, epoch=topology.epoch)
             await self._assignments_changed()
         else:
             try:
-                self.trainer = await self._spawn(topology, rank)
+                self.trainer = await self._spawn(topology, rank, Role.ACTIVE)
             except OSError as exc:
                 self.log.error(
                     "cannot start the trainer",
@@ -486,7 +469,10 @@ class Agent:
                     command=" ".join(self.settings.trainer_command),
                 )
                 await self._report_fault(
-                    TrainerExit(topology.epoch, 127, stopped=False), detail=f"cannot start: {exc}"
+                    Decision(
+                        Do.REPORT_FAULT, f"cannot start: {exc}", Fault.TRAINER_EXITED, epoch=topology.epoch
+                    ),
+                    exit_code=127,
                 )
                 return
             await self._assignments_changed()
@@ -500,14 +486,14 @@ class Agent:
         trainer = self.trainer
         if trainer is None or not trainer.running() or self._stopping.is_set():
             return
-        self.warm = await self._spawn(self.topology, -1)
+        self.warm = await self._spawn(self.topology, -1, Role.STANDBY)
         self.log.info("warm standby trainer started", pid=self.warm.pid, slot=self.warm.slot)
 
     async def _job_finished(self, reason: str) -> None:
         """The job completed its last step: the standby goes now, the ranked trainer gets time to
         leave the JAX runtime and write its outputs (``finish_grace_s``), then the agent exits 0."""
         self.log.info("job finished; stopping supervision", reason=reason)
-        self._finished = True
+        self.state = self.state.finished()
         if self.warm is not None and self.warm.running():
             await self.warm.stop(self.settings.stop_grace_s)
         trainer = self.trainer
@@ -526,7 +512,13 @@ class Agent:
     async def _stop_trainer(self, reason: str, *, warm_too: bool = False) -> None:
         for trainer in (self.trainer, self.warm if warm_too else None):
             if trainer is not None and trainer.running():
-                self.log.info("stopping trainer", reason=reason, pid=trainer.pid, slot=trainer.slot)
+                self.log.info(
+                    "stopping trainer",
+                    reason=reason,
+                    pid=trainer.pid,
+                    slot=trainer.slot,
+                    role=trainer.role.value,
+                )
                 await trainer.stop(self.settings.stop_grace_s)
 
     async def _watch_trainer(self, trainer: TrainerProcess) -> None:
@@ -540,53 +532,37 @@ class Agent:
             stopped=result.stopped,
             hung=result.hung,
         )
-        if result.stopped:
-            return
-        if self._finished:
-            # It completed the job's last step first: an abort on the way out (JAX's shutdown with a
-            # peer already gone) costs nothing and is no fault.
-            self.log.info("trainer exited after finishing the job", code=result.returncode)
-            return
-        if result.returncode == 0 and not result.hung:
-            self._finished = True
-            self.log.info("trainer finished its run; it is not restarted")
-            return
-        if result.returncode == RESTART_EXIT_CODE and not result.hung:
-            # The trainer asked for a fresh process on the current topology: no fault.
+        decision = core.on_trainer_exit(
+            self.state,
+            result,
+            current_epoch=self.topology.epoch,
+            restore_step=self.topology.restore_step,
+            abort_delay_s=self.settings.abort_report_delay_s,
+        )
+        if decision.do is Do.MARK_FINISHED:
+            self.state = self.state.finished()
+            self.log.info(decision.reason)
+        elif decision.do is Do.START_TRAINER:
+            self.log.info("trainer restarted", reason=decision.reason)
             await self._start_trainer(self.topology, self._rank(self.topology))
-            return
-        if result.returncode == ADDRESS_IN_USE_EXIT_CODE and not result.hung:
-            # The port of the epoch this host leads is taken (a trainer that had not yet reported
-            # progress still counts as running the epoch it started in: charge the current one).
-            result = replace(result, epoch=max(result.epoch, self.topology.epoch))
-            await self._report_fault(result, "JAX coordination port taken", pb.FAULT_KIND_ADDRESS_IN_USE)
-            return
-        if result.returncode == STATE_LOST_EXIT_CODE and not result.hung:
-            result = replace(result, epoch=max(result.epoch, self.topology.epoch))
-            detail = f"the trainer found no tier holding restore step {self.topology.restore_step}"
-            await self._report_fault(result, detail, pb.FAULT_KIND_STATE_LOST)
-            return
-        if result.returncode == -signal.SIGABRT and not result.hung:
-            # JAX aborts every survivor within ~0.2 s when a peer's trainer or rank 0's coordination
-            # service dies. Reported at once, the abort could reach the coordinator before the peer's
-            # own failure does, and be charged to this healthy host; a moment later it is seen as
-            # collateral. A trainer that aborted on its own is charged that much later.
-            await asyncio.sleep(self.settings.abort_report_delay_s)
-        await self._report_fault(result, detail="")
+        elif decision.do is Do.REPORT_FAULT:
+            if decision.delay_s:
+                await asyncio.sleep(decision.delay_s)
+            await self._report_fault(decision, exit_code=result.returncode)
+        elif not result.stopped:
+            self.log.info("trainer exit needs nothing", reason=decision.reason, code=result.returncode)
 
-    async def _report_fault(self, result: TrainerExit, detail: str, kind: pb.FaultKind | None = None) -> None:
-        if kind is None:
-            kind = pb.FAULT_KIND_TRAINER_HUNG if result.hung else pb.FAULT_KIND_TRAINER_EXITED
-        detail = detail or ("no step progress" if result.hung else f"exit code {result.returncode}")
+    async def _report_fault(self, fault: Decision, exit_code: int) -> None:
+        assert fault.fault is not None
         try:
             reply = await self._connect().ReportFault(
                 pb.ReportFaultRequest(
                     host_id=self.settings.host_id,
                     incarnation=self.incarnation,
-                    kind=kind,
-                    epoch=result.epoch,
-                    exit_code=result.returncode,
-                    detail=detail,
+                    kind=_FAULT_KINDS[fault.fault],
+                    epoch=fault.epoch,
+                    exit_code=exit_code,
+                    detail=fault.reason,
                 ),
                 timeout=5,
             )
@@ -594,12 +570,13 @@ class Agent:
             self.log.warning("could not report the trainer fault", code=exc.code().name, detail=exc.details())
             return
         self.log.info("fault reported", member_dead=reply.member_dead, reason=reply.reason)
-        if reply.member_dead:
-            return  # the coordinator replaces this host and tells the agent to register again
-        if self.topology.epoch > result.epoch:
+        decision = core.on_fault_reply(
+            member_dead=reply.member_dead, fault_epoch=fault.epoch, current_epoch=self.topology.epoch
+        )
+        if decision.do is Do.START_TRAINER:
             await self._start_trainer(self.topology, self._rank(self.topology))
-        else:
-            self._restart_after_epoch = result.epoch
+        elif decision.do is Do.WAIT_FOR_NEWER_EPOCH:
+            self.state = self.state.trainer_died_with(decision.epoch)
 
     # ---- local API helpers -----------------------------------------------------------------------
 
@@ -722,9 +699,9 @@ class Agent:
         try:
             await self._relay(finish)
         except grpc.aio.AioRpcError as exc:
-            if not _metadata(exc, FINISHED_METADATA):
+            if not metadata(exc, FINISHED_METADATA):
                 raise
-        self._finished = True
+        self.state = self.state.finished()
         self.log.info("trainer finished the job", step=request.step, epoch=request.epoch)
 
     async def _assignments_changed(self) -> None:
@@ -765,54 +742,3 @@ class Agent:
             rank=self._rank_for(slot),
             world_size=len(self.topology.members),
         )
-
-
-class _LocalApi(apb_grpc.AgentLocalServicer):
-    def __init__(self, agent: Agent) -> None:
-        self._agent = agent
-
-    async def WatchAssignments(
-        self, request: apb.WatchAssignmentsRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[apb.Assignment]:
-        async for assignment in self._agent.assignment_changes(request.slot, request.after_epoch):
-            yield assignment
-
-    async def ReportProgress(
-        self, request: apb.ReportProgressRequest, context: grpc.aio.ServicerContext
-    ) -> apb.ReportProgressResponse:
-        return apb.ReportProgressResponse(
-            current_epoch=self._agent.report_progress(request.step, request.epoch)
-        )
-
-    async def AckEpoch(
-        self, request: apb.LocalAckRequest, context: grpc.aio.ServicerContext
-    ) -> apb.LocalAckResponse:
-        live = await _relayed(context, self._agent.ack_epoch(request))
-        return apb.LocalAckResponse(live=live)
-
-    async def CommitCheckpoint(
-        self, request: apb.LocalCommitRequest, context: grpc.aio.ServicerContext
-    ) -> apb.LocalCommitResponse:
-        await _relayed(context, self._agent.commit_checkpoint(request))
-        return apb.LocalCommitResponse()
-
-    async def ReportStall(
-        self, request: apb.LocalStallRequest, context: grpc.aio.ServicerContext
-    ) -> apb.LocalStallResponse:
-        await _relayed(context, self._agent.report_stall(request))
-        return apb.LocalStallResponse()
-
-    async def Finish(
-        self, request: apb.LocalFinishRequest, context: grpc.aio.ServicerContext
-    ) -> apb.LocalFinishResponse:
-        await _relayed(context, self._agent.finish(request))
-        return apb.LocalFinishResponse()
-
-
-async def _relayed(context: grpc.aio.ServicerContext, call: Awaitable[T]) -> T:
-    """The coordinator's answer to a relayed call; its refusal goes to the trainer with its status."""
-    try:
-        return await call
-    except grpc.aio.AioRpcError as exc:
-        await context.abort(exc.code(), exc.details() or "")
-        raise AssertionError("unreachable") from exc

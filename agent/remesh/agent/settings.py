@@ -56,9 +56,14 @@ class AgentSettings:
     # deadline after one); the checkpoint fence covers the moments in between. 0 turns it off.
     lease_s: float = 5.0
     # Niceness added to the trainer process. The agent's heartbeats decide whether the host is
-    # alive: where the trainer saturates the CPU (JAX starting or compiling on a small host), they
-    # must not wait behind it. Costs the trainer nothing while a core is free. 0 leaves it as is.
-    trainer_nice: int = 5
+    # alive: where the trainer saturates the CPU (JAX starting or compiling, snapshot copies on a
+    # small host), they must not wait behind it. 10 gives the agent about nine times the trainer's
+    # share when both want a core (5 gave three, and a 2-core machine running three trainers with
+    # their warm standbys still starved an agent past the 0.6 s timeout). On Linux the trainer runs
+    # in a session of its own and the session gets this niceness: CPU time is shared between
+    # sessions before niceness counts (see remesh.agent.supervisor). Costs the trainer nothing while
+    # a core is free. 0 leaves it as is.
+    trainer_nice: int = 10
     # HTTP/2 keepalive pings on the coordinator channel: a link that silently drops packets breaks
     # the stream after about twice this, instead of after TCP's minutes.
     keepalive_s: float = 0.5

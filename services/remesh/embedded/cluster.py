@@ -1,8 +1,9 @@
 """A job on this machine as real processes: coordinators and agents started as ``python -m remesh.cli``.
 
-Used by the tests, the benchmarks and the demo. Every process starts in its own session, so one signal
-to its process group reaches a whole host (agent and trainer), and ``close()`` kills every process
-this object started (by pid, nothing else).
+Used by the tests, the benchmarks and the demo. Every process starts in its own session; a signal to
+a host reaches its process group and every process it started (an agent's trainers run in sessions
+of their own, see remesh.agent.supervisor), and ``close()`` kills every process this object started
+and their descendants (by pid, nothing else).
 """
 
 from __future__ import annotations
@@ -38,6 +39,30 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str, interva
     raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last value: {last!r})")
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every living process below ``pid`` (children, their children...), from /proc; none elsewhere."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                ppid = int(f.read().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        children.setdefault(ppid, []).append(int(name))
+    found, todo = [], list(children.get(pid, ()))
+    while todo:
+        child = todo.pop()
+        found.append(child)
+        todo.extend(children.get(child, ()))
+    return found
+
+
 class Proc:
     def __init__(self, args: Sequence[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.args = list(args)
@@ -60,8 +85,14 @@ class Proc:
 
     def signal_group(self, sig: int) -> None:
         """Send ``sig`` to the process and everything it started (the whole host)."""
-        if self.alive():
-            os.killpg(self.popen.pid, sig)
+        if not self.alive():
+            return
+        # Listed before the signal: a killed agent's trainers are handed to init at once.
+        below = _descendants(self.popen.pid)
+        os.killpg(self.popen.pid, sig)  # first: a stopped agent starts nothing new meanwhile
+        for pid in below:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
 
     def kill(self) -> None:
         self.signal_group(signal.SIGKILL)
@@ -78,9 +109,13 @@ class Proc:
 
     def close(self) -> None:
         # The whole group, even when its leader is gone: a stopped (SIGSTOP) one needs SIGCONT to die.
+        below = _descendants(self.popen.pid)
         for sig in (signal.SIGCONT, signal.SIGKILL):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.popen.pid, sig)
+            for pid in below:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, sig)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(10)
         self._log.close()
@@ -136,7 +171,9 @@ class LocalCluster:
         extra: Sequence[str] = (),
         env: dict[str, str] | None = None,
     ) -> Proc:
-        trainer_cmd = list(trainer) if trainer is not None else [sys.executable, "-m", "remesh.agent.standin"]
+        trainer_cmd = (
+            list(trainer) if trainer is not None else [sys.executable, "-m", "remesh.embedded.standin"]
+        )
         args = [
             sys.executable, "-m", "remesh.cli", "agent",
             "--coordinator", ",".join(self.addresses) or self.address, "--host-id", host_id, "--devices", "2", "--job", self.job,

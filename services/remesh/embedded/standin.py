@@ -1,4 +1,4 @@
-"""A stand-in trainer: no JAX, just the agent's local API (``python -m remesh.agent.standin``).
+"""A stand-in trainer: no JAX, just the agent's local API (``python -m remesh.embedded.standin``).
 
 It exercises the control plane (tests, the detection benchmark) without the cost of a JAX process.
 
@@ -31,6 +31,7 @@ import grpc
 
 from remesh.v1 import agent_pb2 as apb
 from remesh.v1 import agent_pb2_grpc as apb_grpc
+from remesh.v1.contract import TrainerAssignment
 
 STEP_S = float(os.environ.get("STAND_IN_STEP_S", "0.05"))
 # Per call: the agent answers from memory, except AckEpoch, which it relays to the coordinator (and
@@ -106,7 +107,7 @@ def _assignments(stub: apb_grpc.AgentLocalStub, after_epoch: int, slot: int) -> 
 
 def _placed(stub: apb_grpc.AgentLocalStub, after_epoch: int) -> apb.Assignment:
     """Standby until an epoch newer than ``after_epoch`` gives this host a rank."""
-    slot = int(os.environ.get("REMESH_TRAINER_SLOT", "0"))
+    slot = TrainerAssignment.from_env(os.environ).slot
     for assignment in _assignments(stub, after_epoch, slot):
         if assignment.topology.halted:
             sys.exit(0)
@@ -116,10 +117,10 @@ def _placed(stub: apb_grpc.AgentLocalStub, after_epoch: int) -> apb.Assignment:
 
 
 def main() -> int:
-    stub = apb_grpc.AgentLocalStub(grpc.insecure_channel(os.environ["REMESH_AGENT_ADDRESS"]))
-    epoch = int(os.environ["REMESH_EPOCH"])
-    step = max(int(os.environ.get("REMESH_RESTORE_STEP", "-1")), 0)
-    if int(os.environ["REMESH_RANK"]) < 0:
+    given = TrainerAssignment.from_env(os.environ)
+    stub = apb_grpc.AgentLocalStub(grpc.insecure_channel(given.agent_address))
+    epoch, step = given.epoch, max(given.restore_step, 0)
+    if given.rank < 0:
         assignment = _placed(stub, epoch)
         epoch, step = assignment.topology.epoch, max(assignment.topology.restore_step, 0)
     _ack(stub, epoch, step)

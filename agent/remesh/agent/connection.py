@@ -1,0 +1,109 @@
+"""The agent's link to the coordinator: which replica it talks to, and the channel to it.
+
+With several coordinator replicas the agent finds the leader itself: a follower refuses with
+UNAVAILABLE and names the leader in the trailing metadata ``remesh-leader``
+(``remesh.v1.contract.LEADER_METADATA``); the agent goes there at once, unless that address just
+failed (a dead leader is named until its lease runs out); otherwise it tries the configured addresses
+in turn, backing off after each failure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+from remesh.v1 import coordinator_pb2_grpc as pb_grpc
+from remesh.v1.contract import LEADER_METADATA
+
+__all__ = ["CoordinatorLink", "leader_hint", "metadata"]
+
+
+def metadata(exc: grpc.aio.AioRpcError, key: str) -> str | None:
+    """The value of ``key`` in a refusal's trailing metadata, None where it has none."""
+    pairs: Any = exc.trailing_metadata() or ()  # grpc.aio.Metadata: (key, value) pairs
+    for k, value in pairs:
+        if k == key:
+            return value if isinstance(value, str) else value.decode()
+    return None
+
+
+def leader_hint(exc: grpc.aio.AioRpcError) -> str | None:
+    """The leader a follower named in its refusal ("" if it knows none); None if it was no follower's."""
+    if exc.code() != grpc.StatusCode.UNAVAILABLE:
+        return None
+    return metadata(exc, LEADER_METADATA)
+
+
+class CoordinatorLink:
+    def __init__(
+        self,
+        coordinators: Sequence[str],
+        *,
+        keepalive_s: float,
+        reconnect_initial_s: float,
+        reconnect_max_s: float,
+    ) -> None:
+        self.coordinators = list(coordinators)
+        self.keepalive_s = keepalive_s
+        self.reconnect_initial_s = reconnect_initial_s
+        self.reconnect_max_s = reconnect_max_s
+        # The pause before the next attempt after a failure: doubles up to reconnect_max_s.
+        self.backoff = reconnect_initial_s
+        # The address of the current (or last) channel.
+        self.address = ""
+        # The leader a follower named, tried before the configured addresses; and the address that
+        # last failed to answer (a hint naming it is stale: the dead leader's lease has not run out).
+        self._leader: str | None = None
+        self._unreachable = ""
+        self._index = 0
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: pb_grpc.CoordinatorStub | None = None
+
+    def stub(self) -> pb_grpc.CoordinatorStub:
+        """The stub of the current channel, opening one (to the named leader, else the next address)."""
+        if self._stub is None:
+            self.address = self._leader or self.coordinators[self._index % len(self.coordinators)]
+            ping_ms = int(self.keepalive_s * 1000)
+            self._channel = grpc.aio.insecure_channel(
+                self.address,
+                options=[
+                    ("grpc.keepalive_time_ms", ping_ms),
+                    ("grpc.keepalive_timeout_ms", ping_ms),
+                    ("grpc.keepalive_permit_without_calls", 1),
+                    ("grpc.http2.max_pings_without_data", 0),
+                ],
+            )
+            self._stub = pb_grpc.CoordinatorStub(self._channel)
+        return self._stub
+
+    async def close(self, *, rotate: bool) -> None:
+        """Close the channel; with ``rotate`` the next one goes elsewhere (the next address)."""
+        if self._channel is not None:
+            await self._channel.close(grace=None)
+        self._channel, self._stub = None, None
+        if rotate:
+            if self._leader is None:
+                self._index += 1
+            self._leader = None
+
+    def registered(self) -> None:
+        """A coordinator accepted this agent: failures start counting afresh."""
+        self.backoff = self.reconnect_initial_s
+        self._unreachable = ""
+
+    def failed(self) -> float:
+        """The current address did not answer: remember it, and return the pause before the next try."""
+        self._unreachable = self.address
+        pause, self.backoff = self.backoff, min(self.backoff * 2, self.reconnect_max_s)
+        return pause
+
+    def usable(self, leader: str) -> bool:
+        """Whether a follower's hint is worth following now (not empty, not where we are, not the
+        address that just failed)."""
+        return bool(leader) and leader != self._unreachable and leader != self.address
+
+    def follow(self, leader: str) -> None:
+        """The next channel goes to ``leader`` (call after ``close(rotate=False)``)."""
+        self._leader = leader
