@@ -408,3 +408,65 @@ def test_logs_carry_step_and_epoch(tmp_path: Path) -> None:
         LocalCheckpoints(tmp_path / "ckpt").save(3, 2, make_state(3))
     committed = [e for e in logs if e["event"] == "checkpoint committed"]
     assert committed and committed[0]["step"] == 3 and committed[0]["epoch"] == 2
+
+
+# ---- retention -----------------------------------------------------------------------------------
+
+
+def test_only_the_newest_max_to_keep_steps_remain_and_a_save_in_flight_is_left_alone(
+    tier: Checkpoints,
+) -> None:
+    tier.max_to_keep = 2
+    tier.save(1, 1, make_state(1))
+    # A writer that died before its marker, older than what will be kept: its leftovers go too.
+    tier.max_to_keep = 0
+    tier.save(2, 1, make_state(2))
+    tier.max_to_keep = 2
+    if isinstance(tier, LocalCheckpoints):
+        (tier.directory / "step_0000000002" / "COMMITTED").unlink()
+    else:
+        assert isinstance(tier, GcsCheckpoints)
+        tier.bucket.blob(f"{tier.prefix}/step_0000000002/COMMITTED").delete()
+    for step in (3, 4, 5):
+        tier.save(step, 1, make_state(step))
+    assert tier.committed_steps() == [4, 5]
+    assert [s for s in range(1, 4) if step_files(tier, s)] == []
+    # A save on its way (files, no marker yet) newer than every kept step is not touched by a prune.
+    scratch_step = 7
+    if isinstance(tier, LocalCheckpoints):
+        staged = tier.directory / f"step_{scratch_step:010d}"
+        staged.mkdir()
+        (staged / "partial").write_bytes(b"x")
+    else:
+        assert isinstance(tier, GcsCheckpoints)
+        tier.bucket.blob(f"{tier.prefix}/step_{scratch_step:010d}/state/partial").upload_from_string(b"x")
+    tier.save(6, 1, make_state(6))
+    assert tier.committed_steps() == [5, 6]
+    assert step_files(tier, scratch_step)
+    assert_bitwise_equal(make_state(5), tier.restore_state(5, make_state(0)))
+    assert tier.restore().step == 6
+
+
+def test_a_failed_prune_is_logged_and_the_commit_stands(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    local = LocalCheckpoints(tmp_path / "ckpt", max_to_keep=1)
+    local.save(1, 1, make_state(1))
+
+    def storage_refuses(step: int, committed: bool) -> None:
+        raise PermissionError(f"cannot delete step {step}")
+
+    monkeypatch.setattr(local, "_delete_step", storage_refuses)
+    with capture_logs() as logs:
+        local.save(2, 1, make_state(2))
+    assert [e["error"] for e in warnings_about(logs, "not deleted")] == ["cannot delete step 1"]
+    assert local.committed_steps() == [1, 2] and local.restore().step == 2
+
+
+def test_every_checkpoint_refusal_is_an_elastic_error() -> None:
+    """One exception tree: a user's ``except ElasticError`` sees the checkpoint tiers' refusals too."""
+    from remesh.elastic import ElasticError
+    from remesh.elastic.checkpoints import AlreadyCommitted, CheckpointError, NoViableCheckpoint, StaleEpoch
+
+    assert all(issubclass(e, CheckpointError) for e in (StaleEpoch, AlreadyCommitted, NoViableCheckpoint))
+    assert issubclass(CheckpointError, ElasticError)

@@ -19,7 +19,9 @@ from remesh.embedded import FakeGcsServer, RedisServer
 from remesh.v1 import coordinator_pb2 as pb
 from tests.procs import Cluster, wait_for
 
-pytestmark = pytest.mark.integration
+# Longer than run_job's own waits, so that a job that hangs fails with its logs' tails, not with
+# pytest-timeout's bare stack.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 40
@@ -45,21 +47,24 @@ def run_job(
     job: str | None = None,
     trainer_args: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
+    host_env: dict[str, dict[str, str]] | None = None,
+    command: list[str] | None = None,
     kill_when: Callable[[Cluster], bool] | None = None,
     before_kill: Callable[[], None] | None = None,
 ) -> tuple[Path, Cluster]:
     """Run a 3-host tinylm job to STEPS, SIGKILLing ``victim`` once it passed step KILL_AT (or once
-    ``kill_when`` holds, right after ``before_kill``)."""
+    ``kill_when`` holds, right after ``before_kill``). ``host_env``: more environment for one host's
+    agent and trainer; ``command``: another trainer than ``trainer(final, *trainer_args)``."""
     tmp.mkdir(parents=True, exist_ok=True)
     final = tmp / "final.npz"
     cluster = Cluster(tmp, redis_url, job or new_job_id())
-    command = trainer(final, *trainer_args)
+    command = command or trainer(final, *trainer_args)
     env = {**ENV, **(env or {})}
     try:
         cluster.start_coordinator("--world-size", "3", *coordinator_args)
         warm = () if victim else ("--no-warm-standby",)  # a run without failures needs no standby
         for h in ("host-0", "host-1", "host-2"):
-            cluster.start_agent(h, trainer=command, env=env, extra=warm)
+            cluster.start_agent(h, trainer=command, env={**env, **(host_env or {}).get(h, {})}, extra=warm)
         for i in range(spares):
             cluster.start_agent(f"spare-{i}", spare=True, trainer=command, env=env, extra=warm)
         if victim:
@@ -69,11 +74,11 @@ def run_job(
                 return member is not None and member.last_step >= KILL_AT
 
             when = kill_when or reached
-            wait_for(lambda: when(cluster), 180, f"the moment to kill {victim}")
+            wait_for(lambda: when(cluster), 120, f"the moment to kill {victim}")
             if before_kill is not None:
                 before_kill()
             cluster.agents[victim].kill()
-        wait_for(final.exists, 240, "the job to finish")
+        wait_for(final.exists, 150, "the job to finish")
     except TimeoutError as exc:
         tails = cluster.log_tails(25)
         cluster.close()
@@ -82,6 +87,28 @@ def run_job(
         cluster.close()
         raise
     return final, cluster
+
+
+def run_gcs_job(tmp: Path, redis_url: str, gcs: FakeGcsServer, *trainer_args: str) -> tuple[Path, Cluster]:
+    """``run_job`` with one spare, host-1 killed, no host-memory tier, and checkpoints every 5 steps
+    in a new bucket of the GCS emulator: every member restores from GCS."""
+    bucket = f"e2e-{new_job_id()}"
+    gcs.create_bucket(bucket)
+    return run_job(
+        tmp,
+        redis_url,
+        spares=1,
+        victim="host-1",
+        trainer_args=(
+            *trainer_args,
+            "--no-snapshots",
+            "--gcs",
+            f"gs://{bucket}/job",
+            "--checkpoint-every",
+            "5",
+        ),
+        env=gcs.env(),
+    )
 
 
 def new_job_id() -> str:
@@ -289,16 +316,7 @@ def test_a_recovery_restored_from_gcs_checkpoints_is_bitwise_equal(
 ) -> None:
     """Every member of the new epoch, the survivors too, restores the newest checkpoint the GCS
     emulator holds at or below the restore step; the run ends on the clean run's state."""
-    bucket = f"e2e-{uuid.uuid4().hex[:8]}"
-    gcs.create_bucket(bucket)
-    final, cluster = run_job(
-        tmp_path,
-        redis.url,
-        spares=1,
-        victim="host-1",
-        trainer_args=("--no-snapshots", "--gcs", f"gs://{bucket}/job", "--checkpoint-every", "5"),
-        env=gcs.env(),
-    )
+    final, cluster = run_gcs_job(tmp_path, redis.url, gcs)
     try:
         after = cluster.topology()
         assert after.epoch == 2 and [m.host_id for m in after.members] == ["host-0", "spare-0", "host-2"]

@@ -117,7 +117,7 @@ class LinkedCluster(LocalCluster):
             "ip", "netns", "exec", self.link.ns,
             sys.executable, "-m", "remesh.cli", "agent", "--coordinator", self.address,
             "--host-id", host_id, "--address", self.link.there_ip, "--job", self.job,
-            "--lease", str(LEASE_S), "--", sys.executable, "-m", "remesh.agent.standin",
+            "--lease", str(LEASE_S), "--", sys.executable, "-m", "remesh.embedded.standin",
         ]  # fmt: skip
         proc = Proc(args, self.tmp / f"agent-{host_id}.log")
         self.procs.append(proc)

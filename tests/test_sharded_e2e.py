@@ -20,9 +20,20 @@ import pytest
 from remesh.embedded import FakeGcsServer, RedisServer
 from remesh.v1 import coordinator_pb2 as pb
 from tests.procs import Cluster, wait_for
-from tests.test_elastic_e2e import ENV, KILL_AT, STEPS, leaves, new_job_id, run_job, steps_logged, trainer
+from tests.test_elastic_e2e import (
+    ENV,
+    KILL_AT,
+    STEPS,
+    leaves,
+    new_job_id,
+    run_gcs_job,
+    run_job,
+    steps_logged,
+    trainer,
+)
 
-pytestmark = pytest.mark.integration
+# Longer than run_job's own waits (tests.test_elastic_e2e), so that a hang fails with the logs.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 FSDP = ("--sharding", "fsdp", "--d-model", "96")
 
@@ -67,10 +78,13 @@ def acks(cluster: Cluster, epoch: int) -> dict[str, dict[str, int]]:
 def test_fsdp_a_killed_host_is_restored_from_its_buddy_copy_bitwise_equal(
     tmp_path: Path, redis: RedisServer, clean_fsdp: tuple[Path, Path]
 ) -> None:
-    """FSDP over 3 hosts + 1 spare: the spare takes the killed host's rank, its shards come from the
-    buddy copy a survivor kept (no storage is configured at all), and the run ends on the clean
-    run's state, bit for bit."""
-    final, cluster = run_job(tmp_path, redis.url, spares=1, victim="host-1", trainer_args=FSDP)
+    """FSDP over 3 hosts + 1 spare, snapshots (and buddy copies) every 3 steps: the spare takes the
+    killed host's rank, its shards come from the buddy copy a survivor kept (no storage is
+    configured at all), the steps after that snapshot are replayed, and the run ends on the clean
+    run's state (snapshots every step), bit for bit."""
+    final, cluster = run_job(
+        tmp_path, redis.url, spares=1, victim="host-1", trainer_args=(*FSDP, "--snapshot-every", "3")
+    )
     try:
         after = cluster.topology()
         assert after.epoch == 2 and [m.host_id for m in after.members] == ["host-0", "spare-0", "host-2"]
@@ -86,10 +100,51 @@ def test_fsdp_a_killed_host_is_restored_from_its_buddy_copy_bitwise_equal(
             for e in cluster.events()
             if e.type == pb.EVENT_TYPE_EPOCH_ACKED and e.epoch == 2
         }
-        assert len(restored) == 1 and KILL_AT - 1 <= int(restored.pop()) <= after.restore_step
+        assert len(restored) == 1 and (step := int(restored.pop())) % 3 == 0, restored
+        assert KILL_AT - 6 <= step <= after.restore_step, (step, after.restore_step)
         clean, _ = clean_fsdp
         for a, b in zip(leaves(final), leaves(clean), strict=True):
             assert (a.dtype, a.shape) == (b.dtype, b.shape)
+            assert a.tobytes() == b.tobytes(), "the state differs from the run without failure"
+    finally:
+        cluster.close()
+
+
+def test_a_loop_of_the_users_own_loses_rank_0_whose_buddy_copies_are_slower_than_a_step(
+    tmp_path: Path, redis: RedisServer, clean_fsdp: tuple[Path, Path]
+) -> None:
+    """examples/tinylm/train_own_loop.py keeps its own loop (Session.epochs). Every buddy copy host-2
+    makes (of rank 0's shards) takes 1 s, longer than a step: copies are made at the same steps on
+    every host and never skipped, so host-2's loop waits for them and says so, and every host keeps
+    its own snapshots as far back as a copy may lag. host-0 (rank 0) is SIGKILLed: the newest step
+    host-2 copied is one every survivor still holds, the spare takes rank 0's shards from that copy,
+    and the run ends on the state of the clean run of train_elastic (Session.run), bit for bit: the
+    same model, data and steps. (With copies skipped while the one before was on its way, or own
+    snapshots kept for only 3 steps, no step was held whole at 256 MB: the job halted.)"""
+    final = tmp_path / "final.npz"
+    command = [
+        sys.executable, "-m", "examples.tinylm.train_own_loop", "--steps", str(STEPS),
+        "--d-model", "96", "--layers", "1", "--seq-len", "32", "--step-sleep", "0.05",
+        "--save-final", str(final),
+    ]  # fmt: skip
+    final, cluster = run_job(
+        tmp_path,
+        redis.url,
+        spares=1,
+        victim="host-0",
+        command=command,
+        host_env={"host-2": {"REMESH_FAULT_BUDDY_COPY_DELAY_S": "1.0"}},
+    )
+    try:
+        after = cluster.topology()
+        assert after.epoch == 2 and [m.host_id for m in after.members] == ["spare-0", "host-1", "host-2"]
+        tiers = acks(cluster, 2)
+        assert tiers["spare-0"].get("buddy", 0) > 0 and set(tiers["spare-0"]) <= {"buddy", "peer"}, tiers
+        told = "".join(p.read_text(errors="replace") for p in cluster.tmp.glob("agent-host-2-*.log"))
+        assert "buddy copies take longer than the steps between them" in told
+        assert "buddy copy not made" not in told.split("epoch=2")[0]  # none skipped before the kill
+        clean, _ = clean_fsdp
+        for a, b in zip(leaves(final), leaves(clean), strict=True):
             assert a.tobytes() == b.tobytes(), "the state differs from the run without failure"
     finally:
         cluster.close()
@@ -101,16 +156,7 @@ def test_fsdp_restored_from_the_shards_every_host_wrote_to_gcs_is_bitwise_equal(
     """No host-memory tier at all (so no buddy copies either): every host writes its own shards
     straight to the GCS emulator every 5 steps, rank 0 commits; after a SIGKILL every member of
     the new epoch reads its shards of the newest commit from GCS, and the run ends bitwise equal."""
-    bucket = f"e2e-{new_job_id()}"
-    gcs.create_bucket(bucket)
-    final, cluster = run_job(
-        tmp_path,
-        redis.url,
-        spares=1,
-        victim="host-1",
-        trainer_args=(*FSDP, "--no-snapshots", "--gcs", f"gs://{bucket}/job", "--checkpoint-every", "5"),
-        env=gcs.env(),
-    )
+    final, cluster = run_gcs_job(tmp_path, redis.url, gcs, *FSDP)
     try:
         after = cluster.topology()
         assert [m.host_id for m in after.members] == ["host-0", "spare-0", "host-2"]

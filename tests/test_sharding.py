@@ -133,6 +133,28 @@ def test_snapshots_survive_the_process_in_shm_and_keep_a_pinned_step(tmp_path: P
     assert snaps.held(3, 7) and snaps.held(4, 7)
 
 
+def test_a_retired_snapshot_file_is_written_over_only_once_nothing_maps_it(tmp_path: Path) -> None:
+    snaps = Snapshots(2, tmp_path)
+    for step in (1, 2, 3):
+        snaps.put(step, 7, pieces(step))
+    spares = {p.stat().st_ino for p in tmp_path.glob(".spare_*")}
+    assert len(spares) == 1  # step 1's file, out of the window: kept to be written over
+    snaps.put(4, 7, pieces(4))
+    assert (tmp_path / "step_0000000004.snap").stat().st_ino in spares  # no new file in tmpfs
+    # A piece of step 3 still in use (a peer being served from it) when step 3 leaves the window:
+    # its file is never written over while it is.
+    matrix = (0, ((0, 2), (0, 3)))
+    in_use = snaps.held(3, 7)[matrix]
+    for step in range(5, 12):
+        snaps.put(step, 7, pieces(step))
+    assert np.array_equal(in_use, pieces(3)[matrix])
+    assert len(list(tmp_path.glob(".spare_*"))) <= 2 and snaps.steps() == [10, 11]
+    again = Snapshots(2, tmp_path)  # what a restarted trainer reads back is what was written
+    for step in (10, 11):
+        found = again.get(step, SNAPSHOT_SHAPES)
+        assert found is not None and all(np.array_equal(found.pieces[k], v) for k, v in pieces(step).items())
+
+
 def test_a_truncated_or_foreign_snapshot_falls_back_to_the_next_tier(tmp_path: Path) -> None:
     Snapshots(3, tmp_path).put(5, 1, pieces(5))
     path = tmp_path / "step_0000000005.snap"

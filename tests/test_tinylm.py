@@ -66,6 +66,17 @@ def test_host_slices_concatenate_to_the_global_batch(world_size: int) -> None:
     assert np.array_equal(np.concatenate(slices), batch)
 
 
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_a_host_that_loads_only_its_rows_gets_its_slice_of_the_global_batch(world_size: int) -> None:
+    batch = global_batch(step=5, batch_size=12, seq_len=16, seed=0)
+    per = 12 // world_size
+    for rank in range(world_size):
+        mine = global_batch(
+            step=5, batch_size=12, seq_len=16, seed=0, rows=slice(rank * per, (rank + 1) * per)
+        )
+        assert np.array_equal(mine, host_slice(batch, rank, world_size))
+
+
 @pytest.mark.parametrize(
     ("rows", "rank", "world_size", "message"),
     [

@@ -35,8 +35,11 @@ def load_corpus(path: Path = CORPUS_PATH) -> np.ndarray:
     return tokens
 
 
-def global_batch(step: int, batch_size: int, seq_len: int, seed: int) -> np.ndarray:
-    """The whole batch of ``step``: int32 of shape ``(batch_size, seq_len + 1)``, inputs then targets.
+def global_batch(
+    step: int, batch_size: int, seq_len: int, seed: int, rows: slice = slice(None)
+) -> np.ndarray:
+    """The whole batch of ``step``: int32 of shape ``(batch_size, seq_len + 1)``, inputs then targets;
+    or only its ``rows`` (what one host loads: the same rows the whole batch has there).
 
     Each row is a window of the corpus at an offset drawn from a generator seeded with
     ``[seed, step]``, so the result depends on nothing but the arguments (and the corpus).
@@ -49,7 +52,7 @@ def global_batch(step: int, batch_size: int, seq_len: int, seed: int) -> np.ndar
     if seq_len + 1 > corpus.size:
         raise ValueError(f"seq_len {seq_len} does not fit in a corpus of {corpus.size} bytes")
     rng = np.random.default_rng([seed, step])
-    offsets = rng.integers(0, corpus.size - seq_len, size=batch_size)
+    offsets = rng.integers(0, corpus.size - seq_len, size=batch_size)[rows]
     windows = offsets[:, None] + np.arange(seq_len + 1)[None, :]
     return corpus[windows].astype(np.int32)
 

@@ -55,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         help="gs://BUCKET/PREFIX for Orbax checkpoints on GCS (STORAGE_EMULATOR_HOST for an emulator)",
     )
     p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument(
+        "--keep-checkpoints", type=int, default=3, help="committed checkpoints kept per tier (0: all)"
+    )
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument(
         "--step-sleep", type=float, default=0.0, help="pause after each step (paces demos and tests)"
@@ -86,7 +89,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--hosts-per-replica", type=int, default=2, help="hosts in one replica group (hsdp)")
     p.add_argument(
-        "--buddy-every", type=int, default=Policy().buddy_every, help="buddy copies every K steps (0: none)"
+        "--snapshot-every",
+        type=int,
+        default=Policy().snapshot_every,
+        help="host-memory snapshots every K steps, in the background (a failure replays up to K - 1)",
+    )
+    p.add_argument(
+        "--buddy-every",
+        type=int,
+        default=None,
+        help="buddy copies every K steps, a multiple of --snapshot-every (default: every snapshot; 0: none)",
     )
     args = p.parse_args(argv)
     structlog.configure(
@@ -103,16 +115,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     stores: list[Checkpoints] = []
     if args.checkpoint_dir:
-        stores.append(LocalCheckpoints(args.checkpoint_dir))
+        stores.append(LocalCheckpoints(args.checkpoint_dir, max_to_keep=args.keep_checkpoints))
     if args.gcs:
-        stores.append(gcs_checkpoints_from_url(args.gcs))
-    policy = Policy(
-        checkpoint_every=args.checkpoint_every,
-        collective_timeout_s=args.collective_timeout,
-        buddy_every=args.buddy_every,
-        # A sharded state is gathered whole at the end only where it is written out whole.
-        gather_final=bool(args.save_final) and args.sharding != "replicated",
-    )
+        stores.append(gcs_checkpoints_from_url(args.gcs, max_to_keep=args.keep_checkpoints))
+    try:
+        policy = Policy(
+            checkpoint_every=args.checkpoint_every,
+            collective_timeout_s=args.collective_timeout,
+            snapshot_every=args.snapshot_every,
+            buddy_every=args.snapshot_every if args.buddy_every is None else args.buddy_every,
+            # A sharded state is gathered whole at the end only where it is written out whole.
+            gather_final=bool(args.save_final) and args.sharding != "replicated",
+        )
+    except ValueError as exc:
+        p.error(str(exc))
     if args.no_snapshots:
         policy = dataclasses.replace(policy, snapshots_kept=0, shm_dir=None)
     train_step = functools.partial(model.train_step, config=config)

@@ -7,6 +7,15 @@
     for result in session.run(num_steps):
         ...
 
+or, keeping your own loop (``Session.epochs``; ``train_step`` and ``batch_for_step`` not needed)::
+
+    for epoch in session.epochs(num_steps):
+        with epoch:                      # a failure ends the epoch; the next one is re-meshed
+            state = epoch.state          # restored onto this epoch's mesh
+            for step in epoch.steps():
+                state, metrics = step_fn(state, epoch.batch(my_rows(step)))
+                epoch.done(state, metrics)
+
 Run the script under ``remesh agent``; the session takes its place in every epoch the coordinator
 publishes. Pieces: ``session`` (the loop), ``runtime`` (the JAX distributed runtime of one epoch),
 ``snapshots`` (host-memory restore tier), ``checkpoints`` (local and GCS tiers), ``agent_client``
@@ -42,6 +51,7 @@ from remesh.elastic.session import (
     ADDRESS_IN_USE_EXIT_CODE,
     RESTART_EXIT_CODE,
     STATE_LOST_EXIT_CODE,
+    Epoch,
     Policy,
     Session,
     StepResult,
@@ -59,6 +69,7 @@ __all__ = [
     "CheckpointError",
     "Checkpoints",
     "ElasticError",
+    "Epoch",
     "GcsCheckpoints",
     "Layout",
     "LocalCheckpoints",
@@ -78,8 +89,10 @@ __all__ = [
 ]
 
 
-def gcs_checkpoints_from_url(url: str, staging_dir: str | None = None) -> GcsCheckpoints:
-    """``GcsCheckpoints`` for ``gs://BUCKET/PREFIX``.
+def gcs_checkpoints_from_url(
+    url: str, staging_dir: str | None = None, max_to_keep: int | None = 3
+) -> GcsCheckpoints:
+    """``GcsCheckpoints`` for ``gs://BUCKET/PREFIX``, keeping the newest ``max_to_keep`` steps.
 
     With ``STORAGE_EMULATOR_HOST`` set (a GCS emulator) the client is anonymous; otherwise it uses
     the machine's default Google credentials.
@@ -97,4 +110,4 @@ def gcs_checkpoints_from_url(url: str, staging_dir: str | None = None) -> GcsChe
     else:
         client = storage.Client()
     staging = staging_dir or tempfile.mkdtemp(prefix="remesh-gcs-staging-")
-    return GcsCheckpoints(bucket, prefix, client, staging)
+    return GcsCheckpoints(bucket, prefix, client, staging, max_to_keep=max_to_keep)

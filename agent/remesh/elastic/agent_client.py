@@ -18,6 +18,7 @@ import structlog
 from remesh.elastic.errors import AgentUnreachable, EpochSuperseded
 from remesh.v1 import agent_pb2 as apb
 from remesh.v1 import agent_pb2_grpc as apb_grpc
+from remesh.v1.contract import Env, TrainerAssignment
 
 __all__ = ["AgentClient", "Assignment"]
 
@@ -42,19 +43,18 @@ class Assignment:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Assignment:
+        return cls.of(TrainerAssignment.from_env(env))
+
+    @classmethod
+    def of(cls, given: TrainerAssignment) -> Assignment:
         return cls(
-            epoch=int(env["REMESH_EPOCH"]),
-            host_id=env.get("REMESH_HOST_ID", ""),
-            rank=int(env["REMESH_RANK"]),
-            world_size=int(env["REMESH_WORLD_SIZE"]),
-            jax_coordinator=env.get("REMESH_JAX_COORDINATOR", ""),
-            restore_step=int(env.get("REMESH_RESTORE_STEP", "-1")),
-            commits=frozenset(
-                (int(step), int(epoch))
-                for step, _, epoch in (
-                    c.partition(":") for c in env.get("REMESH_COMMITS", "").split(",") if c
-                )
-            ),
+            epoch=given.epoch,
+            host_id=given.host_id,
+            rank=given.rank,
+            world_size=given.world_size,
+            jax_coordinator=given.jax_coordinator,
+            restore_step=given.restore_step,
+            commits=frozenset(given.commits),
         )
 
     @classmethod
@@ -85,17 +85,22 @@ class AgentClient:
         self._closed = False
         self._watch = threading.Thread(target=self._follow, name="remesh-assignments", daemon=True)
         self._watch.start()
+        # The newest (step, epoch) to report and not yet sent, and whether a report is on its way:
+        # progress goes out from a background thread, coalesced, so no step waits for an RPC.
+        self._progress: tuple[int, int] | None = None
+        self._sending = False
+        self._progress_due = threading.Condition()
+        self._reporter: threading.Thread | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> AgentClient:
         env = os.environ if env is None else env
-        if "REMESH_AGENT_ADDRESS" not in env:
+        if Env.AGENT_ADDRESS not in env:
             raise RuntimeError(
-                "REMESH_AGENT_ADDRESS is not set: run the trainer under `remesh agent ... -- COMMAND`"
+                f"{Env.AGENT_ADDRESS} is not set: run the trainer under `remesh agent ... -- COMMAND`"
             )
-        return cls(
-            env["REMESH_AGENT_ADDRESS"], Assignment.from_env(env), int(env.get("REMESH_TRAINER_SLOT", "0"))
-        )
+        given = TrainerAssignment.from_env(env)
+        return cls(given.agent_address, Assignment.of(given), given.slot)
 
     def _follow(self) -> None:
         backoff = 0.05
@@ -146,6 +151,36 @@ class AgentClient:
             log.warning("progress report not delivered", step=step, error=str(_refusal(exc, "progress")))
             return -1
         return int(reply.current_epoch)
+
+    def report_progress_later(self, step: int, epoch: int) -> None:
+        """Report a completed step from the background and return at once. Reports that pile up
+        behind a slow one are coalesced into the newest: the coordinator needs only the last step."""
+        with self._progress_due:
+            self._progress = (step, epoch)
+            self._progress_due.notify_all()
+            if self._reporter is None:
+                self._reporter = threading.Thread(target=self._report, name="remesh-progress", daemon=True)
+                self._reporter.start()
+
+    def flush_progress(self, timeout: float = 10.0) -> bool:
+        """Wait until every progress report asked for has been sent (or tried); False on timeout."""
+        with self._progress_due:
+            return self._progress_due.wait_for(lambda: self._progress is None and not self._sending, timeout)
+
+    def _report(self) -> None:
+        while True:
+            with self._progress_due:
+                self._progress_due.wait_for(lambda: self._progress is not None or self._closed)
+                if self._closed:
+                    return
+                due, self._progress, self._sending = self._progress, None, True
+            try:
+                if due is not None:
+                    self.report_progress(*due)
+            finally:
+                with self._progress_due:
+                    self._sending = False
+                    self._progress_due.notify_all()
 
     def ack(
         self,
@@ -202,13 +237,16 @@ class AgentClient:
         Raises ``EpochSuperseded`` when the coordinator refuses (a newer epoch began: the job is not
         finished), ``AgentUnreachable`` when no answer came.
         """
+        self.flush_progress()  # the last step's progress first, then the end
         try:
             self._stub.Finish(apb.LocalFinishRequest(epoch=epoch, step=step), timeout=10)
         except grpc.RpcError as exc:
             raise _refusal(exc, f"finishing the job at step {step} in epoch {epoch}") from exc
 
     def close(self) -> None:
-        self._closed = True
+        with self._progress_due:
+            self._closed = True
+            self._progress_due.notify_all()
         self._channel.close()
 
 

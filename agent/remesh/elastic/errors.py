@@ -10,6 +10,11 @@
     │                            finishing the job): a newer epoch began; nothing was committed
     ├── AgentUnreachable       neither the agent nor, through it, the coordinator answered a call
     │                          (nothing was committed); retried, or the process restarts
+    ├── CheckpointError        a checkpoint tier refused on purpose (remesh.elastic.checkpoints)
+    │   ├── StaleEpoch           a newer epoch already fenced the storage: this one may not write
+    │   ├── AlreadyCommitted     the step is committed already
+    │   ├── NotProcessZero       only process 0 commits
+    │   └── NoViableCheckpoint   no committed step could be read back (all missing or corrupt)
     ├── StateLost              no tier holds the step the coordinator named, nor any earlier committed
     │                          one: exit with STATE_LOST_EXIT_CODE; the agent reports it and the
     │                          coordinator halts the job with the reason (never a silent step 0)
@@ -27,11 +32,16 @@ from __future__ import annotations
 __all__ = [
     "AddressInUse",
     "AgentUnreachable",
+    "AlreadyCommitted",
+    "CheckpointError",
     "ElasticError",
     "EpochSuperseded",
+    "NoViableCheckpoint",
+    "NotProcessZero",
     "PeerFailure",
     "Recoverable",
     "RestartProcess",
+    "StaleEpoch",
     "StateLost",
     "TopologyChanged",
 ]
@@ -83,3 +93,23 @@ class AddressInUse(RestartProcess):
         )
         self.address = address
         self.epoch = epoch
+
+
+class CheckpointError(ElasticError):
+    """Root of every error the checkpoint tiers raise on purpose."""
+
+
+class StaleEpoch(CheckpointError):
+    pass
+
+
+class AlreadyCommitted(CheckpointError):
+    pass
+
+
+class NotProcessZero(CheckpointError):
+    pass
+
+
+class NoViableCheckpoint(CheckpointError):
+    pass

@@ -27,7 +27,15 @@ import structlog
 
 from remesh.elastic.sharding import Cell
 
-__all__ = ["FetchFailed", "PieceServer", "Pieces", "RestorePoint", "advertised_host", "fetch"]
+__all__ = [
+    "FetchFailed",
+    "PieceServer",
+    "Pieces",
+    "RestorePoint",
+    "advertised_host",
+    "fetch",
+    "lower_priority",
+]
 
 log = structlog.get_logger("remesh.elastic")
 
@@ -93,13 +101,16 @@ class PieceServer:
                 conn.sendall(json.dumps(header).encode() + b"\n")
                 return
             arrays = [np.require(held[k], requirements="C") for k in keys]  # keeps 0-d arrays 0-d
+            if request.get("pin"):
+                lower_priority()  # a buddy copy, beside training (a restore's fetch goes first)
+            if request.get("pin") and self._on_copied is not None:
+                # A buddy copies this step whole: keep it until a newer one is copied. Pinned before
+                # the bytes go, so the step is kept by the time the copier holds its copy.
+                self._on_copied(point[0])
             header = {"ok": True, "arrays": [[a.dtype.str, list(a.shape)] for a in arrays]}
             conn.sendall(json.dumps(header).encode() + b"\n")
             for a in arrays:
                 conn.sendall(a.data.cast("B"))
-            if request.get("pin") and self._on_copied is not None:
-                # A buddy copied this step whole: keep it until a newer one is copied.
-                self._on_copied(point[0])
 
 
 class FetchFailed(Exception):
@@ -133,6 +144,18 @@ def fetch(
             return out
     except (OSError, ValueError) as exc:
         raise FetchFailed(f"{address}: {exc}") from exc
+
+
+def lower_priority(by: int = 9) -> None:
+    """Lower the calling thread's CPU priority (Linux: a thread's niceness is its own): for copies
+    made beside training. The step's collectives wait for the slowest process, so a core taken from
+    one trainer by its background copies slows every trainer down; at the lowest priority they run
+    in the step's idle moments instead. A no-op where the platform has no per-thread priority."""
+    try:
+        me = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, me, min(19, os.getpriority(os.PRIO_PROCESS, me) + by))
+    except (AttributeError, OSError):
+        pass
 
 
 def advertised_host(peer: str) -> str:

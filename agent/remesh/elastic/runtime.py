@@ -107,15 +107,18 @@ def _cache_from_every_process() -> None:
     compiler._cache_write = write  # type: ignore[assignment]
 
 
+def as_peer_failure(exc: JaxRuntimeError) -> PeerFailure:
+    """A failed collective, said as what it almost always means here."""
+    return PeerFailure(f"a collective failed, a peer is probably gone: {str(exc).splitlines()[0]}")
+
+
 @contextlib.contextmanager
 def peer_failures() -> Iterator[None]:
     """Translate a failed collective into ``PeerFailure``."""
     try:
         yield
     except JaxRuntimeError as exc:
-        raise PeerFailure(
-            f"a collective failed, a peer is probably gone: {str(exc).splitlines()[0]}"
-        ) from exc
+        raise as_peer_failure(exc) from exc
 
 
 class Runtime:

@@ -19,6 +19,7 @@ Where that is impossible it exits with ``RESTART_EXIT_CODE`` and the agent start
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import sys
@@ -27,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn, Protocol
@@ -34,7 +36,9 @@ from typing import Any, NoReturn, Protocol
 import jax
 import numpy as np
 import structlog
+from jax.errors import JaxRuntimeError
 from jax.experimental import multihost_utils
+from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -43,6 +47,7 @@ from remesh.elastic.checkpoints import Approve, CheckpointError, StaleEpoch, Tru
 from remesh.elastic.errors import (
     AddressInUse,
     AgentUnreachable,
+    ElasticError,
     EpochSuperseded,
     PeerFailure,
     Recoverable,
@@ -59,8 +64,9 @@ from remesh.elastic.exchange import (
     decode_key,
     encode_key,
     fetch,
+    lower_priority,
 )
-from remesh.elastic.runtime import Runtime, configure_backend, peer_failures
+from remesh.elastic.runtime import Runtime, as_peer_failure, configure_backend, peer_failures
 from remesh.elastic.sharding import (
     AXES,
     Cell,
@@ -75,12 +81,14 @@ from remesh.elastic.sharding import (
     whole,
 )
 from remesh.elastic.snapshots import Snapshots
+from remesh.v1.contract import ADDRESS_IN_USE_EXIT_CODE, RESTART_EXIT_CODE, STATE_LOST_EXIT_CODE, Env
 
 __all__ = [
     "ADDRESS_IN_USE_EXIT_CODE",
     "RESTART_EXIT_CODE",
     "STATE_LOST_EXIT_CODE",
     "CheckpointStore",
+    "Epoch",
     "Policy",
     "Session",
     "StepResult",
@@ -89,12 +97,6 @@ __all__ = [
 log = structlog.get_logger("remesh.elastic")
 
 PyTree = Any
-# Same code as remesh.agent.RESTART_EXIT_CODE (EX_TEMPFAIL); the trainer library never imports the agent.
-RESTART_EXIT_CODE = 75
-# Same code as remesh.agent.ADDRESS_IN_USE_EXIT_CODE (errno EADDRINUSE).
-ADDRESS_IN_USE_EXIT_CODE = 98
-# Same code as remesh.agent.STATE_LOST_EXIT_CODE (EX_DATAERR): no tier holds the restore step.
-STATE_LOST_EXIT_CODE = 65
 
 
 class CheckpointStore(Protocol):
@@ -139,9 +141,18 @@ class Policy:
     # After a failed collective, how long to wait for the agent to announce the new epoch before
     # asking the agent for a fresh process.
     epoch_wait_s: float = 30.0
-    # Host-memory snapshots kept: the restore step is the oldest step all survivors completed, and
-    # a survivor may be one step ahead of another.
+    # Host-memory snapshots kept: the restore is the newest step whose pieces the members hold
+    # between them, and one member's newest snapshot may be a step or two ahead of another's.
     snapshots_kept: int = 3
+    # Take a host-memory snapshot (this process's own shards, into RAM and /dev/shm) every K steps,
+    # in the background: a thread copies them once the step is done, beside the steps after it, so
+    # no step waits for it. With two still on their way the next one due is skipped, unless a buddy
+    # copy is due at that step too (then the loop waits for the oldest: every host must hold the
+    # steps the buddy copies are made of). A failure loses at most the K - 1 steps after the newest
+    # snapshot every member holds, and they are replayed (the batch is a function of the step).
+    # 1: nothing is replayed; on a GPU or TPU the copy is DMA beside the compute, on CPU it shares
+    # the cores (benchmarks/overhead.py).
+    snapshot_every: int = 1
     # Save a checkpoint every N steps from rank 0 (0: never).
     checkpoint_every: int = 0
     # A step blocked this long reports it (the agent tells the coordinator): when every other member
@@ -159,8 +170,11 @@ class Policy:
     stuck_join_exit_s: float | None = 2.0
     # Every K steps each host copies one peer's own shards into its RAM (a buddy copy), in the
     # background, so a host lost under plain FSDP (no second replica) is restored without storage.
-    # 1: at most one step lost; a refresh still running when the next is due is skipped, so a slow
-    # network stretches K rather than queueing copies. 0: never. Only where a shard has one holder.
+    # A multiple of snapshot_every (the peer serves its snapshot of the step). Every host copies at
+    # the same steps, never skipping one: a restore needs one step that the lost host's buddy copied
+    # and every survivor still holds. A copy still running when the next is due runs beside it;
+    # with two on their way, the loop waits (stats["buddy_wait_s"]) and says to raise K. 1: at most
+    # one step lost. 0: never. Only where a shard has one holder.
     buddy_every: int = 1
     # At the end of the run, gather the whole state onto every process (a collective) so that
     # ``final_leaves`` holds it even when it is sharded.
@@ -174,6 +188,25 @@ class Policy:
     # Host-memory snapshots that survive the trainer process (tmpfs); None keeps them in-process only.
     shm_dir: str | None = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
+    @property
+    def own_snapshots_kept(self) -> int:
+        """Own snapshots kept: ``snapshots_kept``, and with buddy copies on, every snapshot of the last
+        3 x buddy_every steps. A host's newest whole buddy copy may be that far behind the step a
+        survivor reached (two copies on their way, and the survivor a step ahead), and every
+        survivor must still hold its own shards of that step for the restore to find it whole."""
+        if self.snapshots_kept <= 0:
+            return 0
+        return max(self.snapshots_kept, 3 * self.buddy_every // self.snapshot_every + 1)
+
+    def __post_init__(self) -> None:
+        if self.snapshot_every < 1:
+            raise ValueError(f"snapshot_every must be >= 1, not {self.snapshot_every}")
+        if self.buddy_every < 0 or (self.buddy_every and self.buddy_every % self.snapshot_every):
+            raise ValueError(
+                f"buddy_every ({self.buddy_every}) must be 0 or a multiple of snapshot_every "
+                f"({self.snapshot_every}): a buddy copies the snapshot its peer took at that step"
+            )
+
 
 @dataclass(frozen=True)
 class StepResult:
@@ -183,14 +216,194 @@ class StepResult:
     metrics: Mapping[str, float]
 
 
+class Epoch:
+    """One topology epoch of a loop you write yourself (``Session.epochs``).
+
+    The state arrives restored onto the epoch's mesh (``state``, at step ``step``); ``steps()``
+    yields the steps left to train here; after dispatching each, hand the new state back with
+    ``done(state, metrics)``: remesh snapshots it in the background, copies a buddy's shards,
+    checkpoints and reports progress, and waits for the step before (never for the one just
+    dispatched). A failure (a peer lost, a new topology) surfaces as an exception inside the epoch;
+    ``with epoch:`` ends the epoch there and ``Session.epochs`` comes round with the next one.
+
+    What the loop must keep to: the step is a function of the state and a batch only, and the batch
+    is a function of the step (the data position is the step), so a replayed step computes what it
+    computed before; the state keeps its tree structure, shapes and dtypes; it is not donated to the
+    next step (its snapshot is copied after that step is dispatched); every host feeds ``batch``
+    the same number of rows, a multiple of its devices.
+    """
+
+    def __init__(
+        self,
+        session: Session,
+        assignment: Assignment,
+        num_steps: int,
+        *,
+        mesh: Mesh,
+        shardings: list[NamedSharding],
+        state: PyTree,
+        step: int,
+        source: str,
+        tiers: Mapping[str, int],
+        phases: dict[str, float],
+        compiled: Callable[[PyTree, jax.Array], tuple[PyTree, Any]] | None = None,
+    ) -> None:
+        self._session = session
+        self.assignment = assignment
+        self.num_steps = num_steps
+        self.mesh = mesh
+        # The state's shardings on this mesh, shaped like the state (for jit's out_shardings).
+        self.shardings: PyTree = jax.tree_util.tree_unflatten(session._treedef, shardings)
+        # The batch: rows split over every device of every host; metrics: replicated.
+        self.batch_sharding = NamedSharding(mesh, P(AXES))
+        self.replicated = NamedSharding(mesh, P())
+        self.state = state
+        # The next step to train (the restored step: steps done so far).
+        self.step = step
+        self.restored_from = source
+        self.compiled = compiled
+        # The last step's result, once the epoch finished (``done`` returns the others).
+        self.last: StepResult | None = None
+        self.failure: ElasticError | None = None
+        self.finished = False
+        self._tiers = dict(tiers)
+        self._phases = phases
+        self._acked = False
+        self._handed_back = True
+        self._started = 0.0
+        # The step dispatched last, not yet waited for: (step, its metrics, a leaf of its state, when
+        # it could start). Waited for once the next one is dispatched, so the devices never idle.
+        self._pending: tuple[int, Mapping[str, jax.Array], jax.Array, float] | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.assignment.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.assignment.world_size
+
+    @property
+    def epoch(self) -> int:
+        return self.assignment.epoch
+
+    def host_rows(self, global_rows: int) -> slice:
+        """The rows of a global batch of ``global_rows`` this host feeds: the contiguous block at its
+        rank. After a shrink the same global batch splits over fewer hosts (more rows each)."""
+        per = global_rows // self.world_size
+        if global_rows % (self.world_size * self._session.devices_per_host):
+            raise ValueError(
+                f"a global batch of {global_rows} rows does not split over {self.world_size} hosts x "
+                f"{self._session.devices_per_host} devices: choose a batch size every world size divides"
+            )
+        return slice(self.rank * per, (self.rank + 1) * per)
+
+    def batch(self, rows: np.ndarray) -> jax.Array:
+        """This host's rows of the global batch (``host_rows``) as the global array the step takes."""
+        rows = np.asarray(rows)
+        shape = (rows.shape[0] * self.world_size, *rows.shape[1:])
+        self.host_rows(shape[0])  # the divisibility rule, said the same way everywhere
+        return jax.make_array_from_process_local_data(self.batch_sharding, rows, shape)
+
+    def steps(self) -> Iterator[int]:
+        """The steps left to train in this epoch, each the number of steps done before it. Raises
+        ``TopologyChanged`` at a step boundary once a newer epoch is announced. After the last one:
+        waits for it, and for every member, then leaves the runtime (the job is finished)."""
+        s = self._session
+        while self.step < self.num_steps:
+            if not self._handed_back:
+                raise RuntimeError(f"step {self.step}: hand the new state back with epoch.done(state) first")
+            latest = s.agent.latest
+            if latest.epoch > self.epoch:
+                raise TopologyChanged(self.epoch, latest.epoch)
+            self._handed_back = False
+            self._started = time.monotonic()
+            # The watchdog watches the step from here: on CPU its dispatch may wait in a collective.
+            s._blocking(self.epoch, s.policy.stuck_step_exit_s, "step")
+            yield self.step
+        if not self._handed_back:
+            raise RuntimeError(f"step {self.step}: hand the new state back with epoch.done(state) first")
+        self._end()
+
+    def done(self, state: PyTree, metrics: Mapping[str, jax.Array] | None = None) -> StepResult | None:
+        """The step is dispatched and ``state`` is its result: snapshot, copy, checkpoint and report
+        in the background. Returns the step before, once done (scalar ``metrics`` as floats)."""
+        s = self._session
+        s._blocked = None
+        dispatched = time.monotonic()
+        leaves = jax.tree_util.tree_leaves(state)
+        if len(leaves) != len(s._template_leaves()):
+            raise TypeError("the state handed back is not shaped like the state the epoch began with")
+        if self._pending is not None and self._pending[2].is_deleted():
+            raise RuntimeError(
+                "the state of the step before was donated to this one (donate_argnums): remesh "
+                "snapshots it in the background while this step runs; do not donate the state"
+            )
+        metrics = {} if metrics is None else metrics
+        self.state = state
+        self.step += 1
+        self._handed_back = True
+        step = self.step
+        if not self._acked:
+            # The epoch runs here from now on once its first step is done: said before anything
+            # else, and waited for this once.
+            s._blocking(self.epoch, s.policy.stuck_step_exit_s, "step")
+            with peer_failures():
+                jax.block_until_ready((leaves[0], metrics))
+            s._blocked = None
+            s._done_at = time.monotonic()
+            self._phases["first_step"] = time.monotonic() - self._started
+            s._ack(self.assignment, step - 1, self.restored_from, self._phases, self._tiers)
+            self._acked = True
+        if step % s.policy.snapshot_every == 0 or step == self.num_steps:
+            s._snapshot(step, self.epoch, leaves, wait=step == self.num_steps)
+            if s._buddy_step(step):
+                s._copy_buddy_later(step, self.assignment)
+        s._maybe_checkpoint(step, self.assignment, leaves)
+        result = s._completed(self.assignment, *self._pending) if self._pending is not None else None
+        self._pending = (step, metrics, leaves[0], max(dispatched, s._done_at))
+        return result
+
+    def _end(self) -> None:
+        s = self._session
+        if self._pending is not None:
+            self.last = s._completed(self.assignment, *self._pending)
+            self._pending = None
+        s._wait_for_save()
+        if not self._acked:  # restored at the last step (a peer died at the end): the epoch still goes live
+            s._ack(self.assignment, self.step, self.restored_from, self._phases, self._tiers)
+            self._acked = True
+        if s.policy.gather_final:
+            with peer_failures():
+                s._final = [
+                    np.asarray(multihost_utils.process_allgather(x, tiled=True))
+                    for x in jax.tree_util.tree_leaves(self.state)
+                ]
+        s._finish(self.assignment, self.step)
+        self.finished = True
+
+    def __enter__(self) -> Epoch:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+        """A failure of the epoch (a peer lost, a new topology, a fresh process needed) ends it here
+        for ``Session.epochs`` to handle; anything else is the loop's own and goes on up."""
+        if isinstance(exc, JaxRuntimeError):
+            exc = as_peer_failure(exc)
+        if isinstance(exc, ElasticError):
+            self.failure = exc
+            return True
+        return False
+
+
 class Session:
     def __init__(
         self,
         *,
         init_state: Callable[[], PyTree],
-        train_step: Callable[[PyTree, jax.Array], tuple[PyTree, Mapping[str, jax.Array]]],
-        batch_for_step: Callable[[int], np.ndarray],
         devices_per_host: int,
+        train_step: Callable[[PyTree, jax.Array], tuple[PyTree, Mapping[str, jax.Array]]] | None = None,
+        batch_for_step: Callable[[int], np.ndarray] | None = None,
         policy: Policy | None = None,
         checkpoints: Sequence[CheckpointStore] = (),
         agent: AgentClient | None = None,
@@ -205,13 +418,13 @@ class Session:
         self.devices_per_host = devices_per_host
         self.checkpoints = list(checkpoints)
         self.agent = agent or AgentClient.from_env()
-        job = job_id or os.environ.get("REMESH_JOB", "default")
+        job = job_id or os.environ.get(Env.JOB, "default")
         shm = (
             Path(self.policy.shm_dir) / f"remesh-{job}-{self.agent.latest.host_id or 'host'}"
             if self.policy.shm_dir
             else None
         )
-        self.snapshots = Snapshots(self.policy.snapshots_kept, shm)
+        self.snapshots = Snapshots(self.policy.own_snapshots_kept, shm)
         # The copies this process keeps of its buddy's own pieces: in memory and in /dev/shm like its
         # own snapshots, since a survivor's trainer is often restarted (stuck in a collective with
         # the dead peer) and the copy must outlive it. The newest two: one may be a moment old.
@@ -222,18 +435,27 @@ class Session:
         self._server = PieceServer(self._serve, on_copied=self.snapshots.pin)
         self._peers: list[str] = []
         self.runtime = Runtime(self.policy.init_timeout_s)
-        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="remesh-ckpt")
+        # Work beside training runs at a lower CPU priority than the loop (lower_priority); not the
+        # compiler, which a recovery waits for.
+        self._saver = ThreadPoolExecutor(1, "remesh-ckpt", initializer=lower_priority)
         self._compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="remesh-compile")
-        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="remesh-buddy")
+        self._copier = ThreadPoolExecutor(1, "remesh-buddy", initializer=lower_priority)
+        self._snapshotter = ThreadPoolExecutor(1, "remesh-snapshot", initializer=lower_priority)
+        self._snapshotting: collections.deque[Future[None]] = collections.deque()
         self._saving: Future[None] | None = None
-        self._copying: Future[None] | None = None
+        # Buddy copies on their way, oldest first.
+        self._copying: collections.deque[Future[None]] = collections.deque()
+        # Fault injection (tests, benchmarks): every buddy copy first sleeps this long, as over a
+        # slow network.
+        self._told_slow_copies = False
+        self._copy_delay_s = float(os.environ.get("REMESH_FAULT_BUDDY_COPY_DELAY_S", "0") or 0)
         self._treedef: Any = None
         self._template: list[jax.ShapeDtypeStruct] | None = None
         self._last_pieces: Pieces = {}
         # Where the last restore's time went: agreeing on the restore point, fetching, building.
         self._restore_phases: dict[str, float] = {}
         self._final: list[np.ndarray] | None = None
-        self._pretraced = False
+        self._program: tuple[ClosedJaxpr, Any] | None = None
         # The cells of the buddy this process copies, in the current epoch; None: no buddy copies.
         self._buddy: tuple[int, list[tuple[int, Cell]]] | None = None
         # Timings of the recovery that led into the next epoch (teardown, waiting for the epoch).
@@ -241,9 +463,19 @@ class Session:
         self.rank = -1
         # Steps completed in the current epoch (what a stall report names).
         self._step = 0
+        # When the step the loop last waited for was done (monotonic).
+        self._done_at = 0.0
         # Seconds the training loop waited for a checkpoint save to finish, and seconds spent saving
         # (in the background); for goodput accounting.
-        self.stats: dict[str, float] = {"checkpoint_wait_s": 0.0, "checkpoint_save_s": 0.0}
+        self.stats: dict[str, float] = {
+            "checkpoint_wait_s": 0.0,
+            "checkpoint_save_s": 0.0,
+            "snapshot_s": 0.0,  # seconds spent taking snapshots, in the background
+            "snapshots_skipped": 0,
+            "buddy_copies": 0,
+            "buddy_copies_failed": 0,
+            "buddy_wait_s": 0.0,  # seconds the loop waited for buddy copies to catch up
+        }
         # Where the last restore took its state from: bytes per tier, and the step.
         self.last_restore: dict[str, Any] = {}
         # (epoch, since, grace, what) of the blocking work running now (joining an epoch, or a
@@ -258,7 +490,46 @@ class Session:
     # ---- the loop --------------------------------------------------------------------------------
 
     def run(self, num_steps: int) -> Iterator[StepResult]:
-        """Train to ``num_steps``, across every epoch the agent assigns. Ends when done or halted."""
+        """Train to ``num_steps`` with the session's own loop, across every epoch the agent assigns:
+        the step is compiled for each epoch's mesh while the state is restored. Ends when done or
+        halted. Needs ``train_step`` and ``batch_for_step``; ``epochs`` keeps the loop in your hands."""
+        if self._train_step is None or self._batch_for_step is None:
+            raise TypeError("Session.run needs train_step and batch_for_step; or loop over Session.epochs")
+        batch_for_step = self._batch_for_step
+        for epoch in self._epochs(num_steps, compile=True):
+            with epoch:
+                assert epoch.compiled is not None
+                state = epoch.state
+                for step in epoch.steps():
+                    whole = batch_for_step(step)
+                    batch = epoch.batch(whole[epoch.host_rows(whole.shape[0])])
+                    # On CPU a dispatch may run the step (or wait for the one before) inline: a
+                    # failed collective raises here, and ``with epoch`` ends the epoch on it.
+                    state, metrics = epoch.compiled(state, batch)
+                    result = epoch.done(state, metrics)
+                    if result is not None:
+                        yield result
+            if epoch.last is not None:
+                yield epoch.last
+
+    def epochs(self, num_steps: int) -> Iterator[Epoch]:
+        """Train to ``num_steps`` in your own loop: one ``Epoch`` per topology this host takes part in,
+        its state restored onto the epoch's mesh. Use each inside ``with epoch:``, where a failure
+        ends the epoch and the next one (re-meshed, restored) comes round::
+
+            for epoch in session.epochs(num_steps):
+                with epoch:
+                    step_fn = jax.jit(train_step, out_shardings=(epoch.shardings, None))
+                    state = epoch.state
+                    for step in epoch.steps():
+                        state, metrics = step_fn(state, epoch.batch(my_rows(step)))
+                        epoch.done(state, metrics)
+
+        Ends when the last step is done everywhere, or the job halted.
+        """
+        return self._epochs(num_steps, compile=False)
+
+    def _epochs(self, num_steps: int, compile: bool) -> Iterator[Epoch]:
         assignment = self.agent.latest
         recoveries = 0
         while True:
@@ -267,13 +538,29 @@ class Session:
                 return
             assignment = placed
             try:
-                yield from self._epoch(assignment, num_steps)
+                epoch = self._join(assignment, num_steps, compile)
+                yield epoch
+                if epoch.failure is not None:
+                    raise epoch.failure
+                if not epoch.finished:
+                    raise RuntimeError(
+                        f"the loop left epoch {assignment.epoch} at step {epoch.step} of {num_steps}: "
+                        "iterate epoch.steps() to the end, inside `with epoch:`"
+                    )
                 return
             except Recoverable as exc:
                 recoveries += 1
                 t_fail = time.monotonic()
                 log.warning("leaving epoch", epoch=assignment.epoch, reason=str(exc), recovery=recoveries)
-                self._wait_for_save()  # Orbax calls JAX: it must finish before the runtime goes
+                # Orbax and the snapshot copies read from the devices: they must finish before the
+                # runtime goes. Watched like a step (a snapshot waits for its step, which may be
+                # stuck in a collective with the dead peer until the collective timeout): still
+                # waiting stuck_step_exit_s after the new epoch is out ends the process for the
+                # warm standby, which restores from /dev/shm.
+                self._blocking(assignment.epoch, self.policy.stuck_step_exit_s, "leaving")
+                self._wait_for_save()
+                self._wait_for_snapshots()
+                self._blocked = None
                 teardown = self.runtime.stop()
                 if recoveries > self.policy.max_in_process_recoveries:
                     self._restart_process(f"{recoveries} in-process recoveries; asking for a fresh process")
@@ -296,7 +583,8 @@ class Session:
                 log.info("job halted; the trainer stops", epoch=assignment.epoch)
                 return None
             log.info("standby: no rank for this process yet", epoch=assignment.epoch)
-            self._pretrace()
+            if self._train_step is not None:
+                self._step_program()  # traced while idle, not during the recovery that places it
             placed = self.agent.wait_until(lambda a: a.halted or a.rank >= 0, 3600.0)
             assignment = placed or assignment
         return assignment
@@ -330,8 +618,10 @@ class Session:
                     "was announced: it waits for a dead peer"
                 )
 
-    def _blocking(self, epoch: int, grace: float | None, what: str) -> None:
-        self._blocked = None if grace is None else (epoch, time.monotonic(), grace, what)
+    def _blocking(self, epoch: int, grace: float | None, what: str, since: float | None = None) -> None:
+        """Blocking work begins (``since``: when it began, now by default) for the watchdog to judge."""
+        began = time.monotonic() if since is None else since
+        self._blocked = None if grace is None else (epoch, began, grace, what)
 
     def _restart_process(self, reason: str) -> NoReturn:
         self._exit(RESTART_EXIT_CODE, reason)
@@ -345,7 +635,9 @@ class Session:
         # os._exit: JAX's exit hooks would wait on a runtime whose peers are gone.
         os._exit(code)
 
-    def _epoch(self, assignment: Assignment, num_steps: int) -> Iterator[StepResult]:
+    def _join(self, assignment: Assignment, num_steps: int, compile: bool) -> Epoch:
+        """Take part in ``assignment``'s epoch: join its runtime, build its mesh, restore the state
+        onto it (compiling the session's step meanwhile, with ``compile``), and meet every member."""
         phases, self._recovery = dict(self._recovery), {}
         # Wall-clock time this member began the epoch (a time, not a duration): with the epoch's
         # publication time it gives how long the epoch took to reach the trainer.
@@ -361,19 +653,28 @@ class Session:
         replicated = NamedSharding(mesh, P())
 
         # Compile (from shapes alone) while the state is being restored: the two take about as long.
-        compiling = self._compiler.submit(self._compile, assignment, shardings, by_rows, replicated)
+        compiling = (
+            self._compiler.submit(self._compile, assignment, shardings, by_rows, replicated)
+            if compile
+            else None
+        )
         t = time.monotonic()
         leaves, step, source, tiers = self._restore(assignment, shardings)
         state = jax.tree_util.tree_unflatten(self._treedef, leaves)
         phases["restore"] = time.monotonic() - t
         phases.update(self._restore_phases)
         self.last_restore = {"step": step, "source": source, "bytes": dict(tiers)}
-        compiled, phases["compile"] = compiling.result()
+        compiled = None
+        if compiling is not None:
+            compiled, compile_parts = compiling.result()
+            phases["compile"] = sum(compile_parts.values())
+            phases.update(compile_parts)
         if assignment.rank == 0 and self.checkpoints:
             # From now on a writer of an older epoch (a host cut off from the coordinator that has
             # not noticed yet) is refused by every tier. In the background, before any save.
             self._saver.submit(self._fence_all, assignment.epoch)
         self._buddy = self._buddy_of(assignment, shardings)
+        self._copying.clear()  # copies of an older epoch end on their own (the epoch changed)
         self.runtime.barrier("compiled", self.policy.init_timeout_s)
         self._blocked = None
         log.info(
@@ -385,46 +686,20 @@ class Session:
             restored_bytes=tiers,
             **_rounded(phases),
         )
-
-        acked = False
         self._step = step
-        while step < num_steps:
-            latest = self.agent.latest
-            if latest.epoch > assignment.epoch:
-                raise TopologyChanged(assignment.epoch, latest.epoch)
-            t = time.monotonic()
-            batch = self._local_batch(self._batch_for_step(step), assignment, by_rows)
-            self._blocking(assignment.epoch, self.policy.stuck_step_exit_s, "step")
-            with peer_failures():
-                state, metrics = compiled(state, batch)
-                leaves = jax.tree_util.tree_leaves(state)
-                pieces = _own_pieces(leaves)
-                host_metrics = {k: float(_scalar(v)) for k, v in metrics.items()}
-            self._blocked = None
-            step += 1
-            self._step = step
-            self._last_pieces = pieces
-            if not acked:
-                # The epoch runs here from now on: said before the snapshot is written, which only
-                # the progress report below must wait for.
-                phases["first_step"] = time.monotonic() - t
-                self._ack(assignment, step - 1, source, phases, tiers)
-                acked = True
-            self.snapshots.put(step, assignment.epoch, pieces)
-            self._maybe_copy_buddy(step, assignment)
-            self.agent.report_progress(step, assignment.epoch)
-            self._maybe_checkpoint(step, assignment, leaves, pieces)
-            yield StepResult(step, assignment.epoch, assignment.world_size, host_metrics)
-        self._wait_for_save()
-        if not acked:  # restored at the last step (a peer died at the end): the epoch still goes live
-            self._ack(assignment, step, source, phases, tiers)
-        if self.policy.gather_final:
-            with peer_failures():
-                self._final = [
-                    np.asarray(multihost_utils.process_allgather(x, tiled=True))
-                    for x in jax.tree_util.tree_leaves(state)
-                ]
-        self._finish(assignment, step)
+        return Epoch(
+            self,
+            assignment,
+            num_steps,
+            mesh=mesh,
+            shardings=shardings,
+            state=state,
+            step=step,
+            source=source,
+            tiers=tiers,
+            phases=phases,
+            compiled=compiled,
+        )
 
     def _ack(
         self,
@@ -464,19 +739,123 @@ class Session:
                 "leaving the JAX runtime at the end reported an error", error=str(exc).splitlines()[0]
             )
 
-    def _pretrace(self) -> None:
-        """Trace the state's shapes and the step function while idle, not during a recovery.
+    def _completed(
+        self,
+        assignment: Assignment,
+        step: int,
+        metrics: Mapping[str, jax.Array],
+        marker: jax.Array,
+        since: float,
+    ) -> StepResult:
+        """Wait for ``step`` (the next one is already dispatched; ``marker``: one of its outputs;
+        ``since``: when it could start) and report it, without waiting."""
+        self._blocking(assignment.epoch, self.policy.stuck_step_exit_s, "step", since)
+        with peer_failures():
+            jax.block_until_ready(marker)
+            host_metrics = {k: float(_scalar(v)) for k, v in metrics.items()}
+        self._blocked = None
+        self._done_at = time.monotonic()
+        self._step = step
+        self.agent.report_progress_later(step, assignment.epoch)
+        return StepResult(step, assignment.epoch, assignment.world_size, host_metrics)
 
-        Tracing is the Python half of compiling; JAX caches the traced program by argument shapes,
-        so the lowering for the real mesh later skips it.
+    # ---- snapshots -------------------------------------------------------------------------------
+
+    def _snapshot(self, step: int, epoch: int, leaves: Sequence[jax.Array], wait: bool = False) -> None:
+        """Copy this process's own shards of ``step`` to the host in the background and keep them as
+        a snapshot once whole.
+
+        Two may be on their way: the loop runs one step ahead of the step it waits for, so the
+        previous snapshot is often still waiting for its step to finish. A third is skipped, not
+        queued, so a slow host stretches the interval instead of piling up copies; unless the step
+        is one the buddy copies are made of (or ``wait``): then the loop waits for the oldest.
         """
-        if self._pretraced:
+        while self._snapshotting and self._snapshotting[0].done():
+            self._snapshotting.popleft()
+        if len(self._snapshotting) >= 2:
+            if not (wait or self._buddy_step(step)):
+                log.debug("snapshot skipped: two are still being taken", step=step)
+                self.stats["snapshots_skipped"] += 1
+                return
+            self._wait_for(self._snapshotting, epoch, "snapshot")
+        # Not even copy_to_host_async here: on CPU it waits for the step to finish, and a step stuck
+        # in a collective with a frozen peer would hold the loop where the watchdog cannot see it.
+        shards = _own_shards(leaves)
+        self._snapshotting.append(self._snapshotter.submit(self._keep_snapshot, step, epoch, shards))
+        if wait:
+            while self._snapshotting:
+                self._wait_for(self._snapshotting, epoch, "snapshot")
+
+    def _wait_for(self, futures: collections.deque[Future[None]], epoch: int, what: str) -> float:
+        """Wait for the oldest of ``futures`` (background work of ``epoch``), as the watchdog sees a
+        step: it may wait for a step stuck in a collective with a dead peer. A newer epoch ends the
+        wait (``TopologyChanged``). Returns the seconds waited."""
+        t = time.monotonic()
+        oldest = futures[0]
+        self._blocking(epoch, self.policy.stuck_step_exit_s, "step")
+        try:
+            while True:
+                try:
+                    oldest.result(timeout=0.05)
+                    break
+                except FutureTimeout:
+                    latest = self.agent.latest.epoch
+                    if latest > epoch:
+                        raise TopologyChanged(epoch, latest) from None
+        finally:
+            self._blocked = None
+        futures.popleft()
+        waited = time.monotonic() - t
+        log.debug("waited for background work", what=what, waited_s=round(waited, 3))
+        return waited
+
+    def _keep_snapshot(self, step: int, epoch: int, shards: Mapping[tuple[int, Cell], jax.Array]) -> None:
+        t = time.monotonic()
+        # On CPU ``np.asarray`` may alias the device buffer, which the runtime frees when it is torn
+        # down, and the snapshot must outlive it: copied here, unless the snapshot store copies it
+        # into its /dev/shm file (and keeps that, mapped: one copy instead of two).
+        owned = self.snapshots.directory is None
+        try:
+            pieces = {
+                key: np.array(data, copy=True) if owned else np.asarray(data) for key, data in shards.items()
+            }
+        except Exception as exc:  # the step itself failed (a peer died): there is nothing to keep
+            log.info("snapshot not taken: its step failed", step=step, error=str(exc).splitlines()[0])
             return
-        template = self._template_leaves()
-        sample = self._batch_for_step(0)
-        state = jax.tree_util.tree_unflatten(self._treedef, template)
-        jax.jit(self._train_step).trace(state, jax.ShapeDtypeStruct(sample.shape, sample.dtype))
-        self._pretraced = True
+        self._last_pieces = self.snapshots.put(step, epoch, pieces)
+        self.stats["snapshot_s"] += time.monotonic() - t
+
+    def _wait_for_snapshots(self) -> None:
+        while self._snapshotting:
+            self._snapshotting.popleft().result()
+
+    def _step_program(self) -> tuple[ClosedJaxpr, Any]:
+        """The step function traced once per process, from shapes alone: its program and the tree of
+        its outputs.
+
+        Tracing is the Python half of compiling (autodiff included) and does not depend on the mesh,
+        but JAX's own trace cache goes with the runtime at every re-mesh. Kept here, every later
+        epoch only replays the program for its mesh, a fraction of tracing the user's function.
+        """
+        if self._program is None:
+            template = self._template_leaves()
+            state = jax.tree_util.tree_unflatten(self._treedef, template)
+            assert self._train_step is not None and self._batch_for_step is not None
+            sample = self._batch_for_step(0)
+            traced = jax.jit(self._train_step).trace(state, jax.ShapeDtypeStruct(sample.shape, sample.dtype))
+            out_tree = traced.out_tree
+            children = out_tree.children()
+            returned = children[0] if len(children) == 2 else None
+            if returned != self._treedef:
+                raise TypeError(
+                    "train_step must return (state, metrics) with the state shaped like its input; "
+                    f"it returned {out_tree}"
+                )
+            closed = traced.jaxpr
+            # Constants on this runtime's devices would not survive the re-mesh: keep them on the host.
+            consts = [np.asarray(c) if isinstance(c, jax.Array) else c for c in closed.consts]
+            self._program = (ClosedJaxpr(closed.jaxpr, consts), out_tree)
+        return self._program
 
     def _shardings(self, mesh: Mesh) -> list[NamedSharding]:
         """Each leaf's sharding on ``mesh``, from the layout (asked again for every mesh)."""
@@ -491,26 +870,43 @@ class Session:
         shardings: list[NamedSharding],
         by_rows: NamedSharding,
         replicated: NamedSharding,
-    ) -> tuple[Any, float]:
+    ) -> tuple[Callable[[PyTree, jax.Array], tuple[PyTree, Any]], dict[str, float]]:
+        """The step for this epoch's mesh, and where compiling it went (trace, lower, XLA)."""
         t = time.monotonic()
+        program, out_tree = self._step_program()
+        timings = {"compile_trace": time.monotonic() - t}
         template = self._template_leaves()
-        state = jax.tree_util.tree_unflatten(
-            self._treedef,
-            [
+        # Any step's batch has the shape of every step's batch.
+        assert self._batch_for_step is not None
+        sample = self._batch_for_step(max(assignment.restore_step, 0))
+        args = [
+            *(
                 jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
                 for x, s in zip(template, shardings, strict=True)
-            ],
-        )
-        tree_shardings = jax.tree_util.tree_unflatten(self._treedef, shardings)
-        # Any step's batch has the shape of every step's batch.
-        sample = self._batch_for_step(max(assignment.restore_step, 0))
-        batch = jax.ShapeDtypeStruct(sample.shape, sample.dtype, sharding=by_rows)
+            ),
+            jax.ShapeDtypeStruct(sample.shape, sample.dtype, sharding=by_rows),
+        ]
+        metrics = out_tree.num_leaves - len(shardings)
         step_fn = jax.jit(
-            self._train_step,
-            in_shardings=(tree_shardings, by_rows),
-            out_shardings=(tree_shardings, replicated),
+            jaxpr_as_fun(program),
+            in_shardings=(*shardings, by_rows),
+            out_shardings=[*shardings, *[replicated] * metrics],  # the program returns a list
         )
-        return step_fn.lower(state, batch).compile(), time.monotonic() - t
+        t = time.monotonic()
+        traced = step_fn.trace(*args)
+        timings["compile_trace"] += time.monotonic() - t
+        t = time.monotonic()
+        lowered = traced.lower()
+        timings["compile_lower"] = time.monotonic() - t
+        t = time.monotonic()
+        compiled = lowered.compile()
+        timings["compile_xla"] = time.monotonic() - t
+        treedef = self._treedef
+
+        def step(state: PyTree, batch: jax.Array) -> tuple[PyTree, Any]:
+            return jax.tree_util.tree_unflatten(out_tree, compiled(*treedef.flatten_up_to(state), batch))
+
+        return step, timings
 
     # ---- state -----------------------------------------------------------------------------------
 
@@ -750,36 +1146,58 @@ class Session:
         only_there = sorted(key for key, ranks in holders.items() if ranks == {buddy})
         return (buddy, only_there) if only_there else None
 
-    def _maybe_copy_buddy(self, step: int, assignment: Assignment) -> None:
-        if self._buddy is None or step % self.policy.buddy_every:
-            return
-        if self._copying is not None and not self._copying.done():
-            return  # the previous copy is still on its way: this one is skipped, not queued
+    def _buddy_step(self, step: int) -> bool:
+        """Whether every host copies its buddy's pieces of ``step`` (the same steps on every host)."""
+        return self._buddy is not None and step % self.policy.buddy_every == 0
+
+    def _copy_buddy_later(self, step: int, assignment: Assignment) -> None:
+        """Copy the buddy's pieces of ``step`` in the background, never skipping it: with two copies
+        still on their way, wait for the oldest first (copies slower than ``buddy_every`` steps slow
+        the loop down to their pace, and say so)."""
+        assert self._buddy is not None
+        while self._copying and self._copying[0].done():
+            self._copying.popleft().result()
+        if len(self._copying) >= 2:
+            waited = self._wait_for(self._copying, assignment.epoch, "buddy copy")
+            self.stats["buddy_wait_s"] += waited
+            if waited > 0.05 and not self._told_slow_copies:
+                self._told_slow_copies = True
+                log.warning(
+                    "buddy copies take longer than the steps between them: the loop waits for them; "
+                    "raise buddy_every (--buddy-every) so that a copy fits",
+                    step=step,
+                    buddy_every=self.policy.buddy_every,
+                    waited_s=round(waited, 3),
+                )
         buddy, keys = self._buddy
-        self._copying = self._copier.submit(
-            self._copy_buddy, self._peers[buddy], (step, assignment.epoch), keys
+        self._copying.append(
+            self._copier.submit(self._copy_buddy, self._peers[buddy], (step, assignment.epoch), keys)
         )
 
     def _copy_buddy(self, address: str, point: RestorePoint, keys: list[tuple[int, Cell]]) -> None:
-        """Copy the buddy's own pieces of ``point``; it may be a moment behind, so retry briefly."""
-        deadline = time.monotonic() + 2.0
+        """Copy the buddy's own pieces of ``point``. The peer takes its snapshot of the step once the
+        step is done there: until then it answers that it does not hold it, so ask again, until it
+        does or the epoch ends (a peer that never has it is gone, or stuck: a new epoch follows)."""
+        if self._copy_delay_s:
+            time.sleep(self._copy_delay_s)
+        deadline = time.monotonic() + max(self.policy.init_timeout_s, 10.0)
         while True:
             try:
-                pieces = fetch(address, point, keys, self.policy.init_timeout_s, pin=True)
+                pieces = fetch(address, point, keys, 10.0, pin=True)
             except FetchFailed as exc:
-                if time.monotonic() > deadline or self.agent.latest.epoch > point[1]:
-                    log.debug("buddy copy skipped", step=point[0], error=str(exc))
+                if self.agent.latest.epoch > point[1] or time.monotonic() > deadline:
+                    self.stats["buddy_copies_failed"] += 1
+                    log.info("buddy copy not made", step=point[0], error=str(exc))
                     return
                 time.sleep(0.01)
                 continue
             self.buddies.put(point[0], point[1], pieces)
+            self.stats["buddy_copies"] += 1
             return
 
     # ---- checkpoints -----------------------------------------------------------------------------
 
-    def _maybe_checkpoint(
-        self, step: int, assignment: Assignment, leaves: list[jax.Array], pieces: Pieces
-    ) -> None:
+    def _maybe_checkpoint(self, step: int, assignment: Assignment, leaves: list[jax.Array]) -> None:
         every = self.policy.checkpoint_every
         if not every or step % every or not self.checkpoints:
             return
@@ -796,15 +1214,17 @@ class Session:
             tree = jax.tree_util.tree_unflatten(self._treedef, leaves)
             self._saving = self._saver.submit(self._save_sharded, step, assignment, tree)
         else:
-            host = [pieces[(i, whole(x.shape))] for i, x in enumerate(leaves)]
-            tree = jax.tree_util.tree_unflatten(self._treedef, host)
-            self._saving = self._saver.submit(self._save_all, step, assignment.epoch, tree)
+            self._saving = self._saver.submit(self._save_all, step, assignment.epoch, leaves)
 
     def _save_sharded(self, step: int, assignment: Assignment, tree: PyTree) -> None:
         """Every process writes its own shards (Orbax), rank 0 commits; tiers that can take a
         sharded state only (a directory every host reaches)."""
         t = time.monotonic()
         try:
+            # The loop is already steps ahead: Orbax must find these arrays computed, or what it
+            # does with them queues on the devices among the next steps' collectives, in an order
+            # that differs between processes (the step's gloo collectives then time out).
+            jax.block_until_ready(tree)
             for store in self.checkpoints:
                 if not store.sharded_saves:
                     continue
@@ -849,10 +1269,16 @@ class Session:
                     "could not raise the checkpoint fence", store=store.name, epoch=epoch, error=str(exc)
                 )
 
-    def _save_all(self, step: int, epoch: int, tree: PyTree) -> None:
+    def _save_all(self, step: int, epoch: int, leaves: list[jax.Array]) -> None:
+        """Rank 0 saves the replicated state: copied to the host here, in the background."""
         t = time.monotonic()
         try:
-            self._save_each(step, epoch, tree)
+            try:
+                host = [np.array(x.addressable_shards[0].data, copy=True) for x in leaves]
+            except Exception as exc:  # the step failed (a peer died): nothing to save
+                log.info("checkpoint not taken: its step failed", step=step, error=str(exc).splitlines()[0])
+                return
+            self._save_each(step, epoch, jax.tree_util.tree_unflatten(self._treedef, host))
         finally:
             self.stats["checkpoint_save_s"] += time.monotonic() - t
 
@@ -882,19 +1308,6 @@ class Session:
         except AgentUnreachable as exc:
             raise CheckpointError(f"not committed: {exc}") from exc
 
-    def _local_batch(
-        self, global_batch: np.ndarray, assignment: Assignment, sharding: NamedSharding
-    ) -> jax.Array:
-        rows = global_batch.shape[0]
-        if rows % (assignment.world_size * self.devices_per_host):
-            raise ValueError(
-                f"global batch of {rows} rows does not split over {assignment.world_size} hosts x "
-                f"{self.devices_per_host} devices: choose a batch size every world size divides"
-            )
-        per_host = rows // assignment.world_size
-        local = global_batch[assignment.rank * per_host : (assignment.rank + 1) * per_host]
-        return jax.make_array_from_process_local_data(sharding, local, global_batch.shape)
-
     def final_leaves(self) -> list[np.ndarray]:
         """The state after the last completed step, as host arrays in tree-flatten order: whole
         leaves where this process holds them whole (replicated), else what ``gather_final`` gathered."""
@@ -919,19 +1332,13 @@ class Session:
         self.agent.close()
 
 
-def _own_pieces(leaves: Sequence[jax.Array]) -> Pieces:
-    """This process's distinct shards of every leaf, copied to host memory.
-
-    Copied: on CPU ``np.asarray`` may alias the device buffer, which the runtime frees when it is
-    torn down (and while a view lives, donation is silently skipped); the copy must outlive both.
-    """
-    pieces: Pieces = {}
+def _own_shards(leaves: Sequence[jax.Array]) -> dict[tuple[int, Cell], jax.Array]:
+    """This process's distinct shards of every leaf, on its devices."""
+    shards: dict[tuple[int, Cell], jax.Array] = {}
     for i, x in enumerate(leaves):
         for shard in x.addressable_shards:
-            key = (i, cell_of(shard.index, x.shape))
-            if key not in pieces:
-                pieces[key] = np.array(shard.data, copy=True)
-    return pieces
+            shards.setdefault((i, cell_of(shard.index, x.shape)), shard.data)
+    return shards
 
 
 def _process_of(device: Any) -> int:

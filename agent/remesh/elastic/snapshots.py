@@ -16,9 +16,11 @@ never fails on it.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import threading
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,8 @@ _MAGIC = b"remesh-snapshot-1\n"
 _SUFFIX = ".snap"
 _ALIGN = 64
 _HEADER_MAX = 64 << 20
+# Retired snapshot files kept to be written over.
+_SPARES = 2
 
 
 class Snapshot:
@@ -56,20 +60,37 @@ class Snapshots:
         # Steps a peer copied (its buddy copy of ours): kept past the window until newer ones are.
         self._pinned: collections.deque[int] = collections.deque(maxlen=2)
         self._lock = threading.Lock()
+        # The mapping of every file this process mapped, by inode: alive while any piece of it is
+        # (a snapshot held, a peer being served, a restore under way). Only a file whose mapping is
+        # gone is written over.
+        self._maps: dict[int, weakref.ref[np.ndarray]] = {}
         if directory is not None:
             directory.mkdir(parents=True, exist_ok=True)
 
-    def put(self, step: int, layout: int, pieces: Pieces) -> None:
+    def put(self, step: int, layout: int, pieces: Pieces) -> Pieces:
+        """Keep ``pieces`` as the snapshot of ``step``; returns what is kept. With a directory the
+        pieces are written to a file there and what is kept in memory is that file, mapped: one
+        copy of the bytes in all, and ``pieces`` may be views the caller does not own (a device
+        buffer's). Without one, or where the file cannot be written, ``pieces`` themselves (copied
+        if the file failed): the caller hands over pieces it owns."""
         if self.keep <= 0:
-            return
+            return pieces
+        kept = pieces
+        if self.directory is not None:
+            # In /dev/shm, so that a trainer process the agent restarts finds it too. Written whole
+            # under a temporary name first: a restore never reads half a snapshot.
+            try:
+                kept = self._map(self._write(step, layout, pieces))[1]
+            except (OSError, ValueError) as exc:
+                log.warning(
+                    "snapshot not written to shared memory; kept in the process", step=step, error=str(exc)
+                )
+                kept = {key: np.array(values, copy=True) for key, values in pieces.items()}
         with self._lock:
-            self._memory[step] = (layout, pieces)
+            self._memory[step] = (layout, kept)
             self._memory.move_to_end(step)
             self._trim()
-        if self.directory is not None:
-            # Written before the step is reported as done: the coordinator picks the restore step from
-            # reported steps, so a reported step must be restorable even if this process dies next.
-            self._write(step, layout, pieces)
+        return kept
 
     def pin(self, step: int) -> None:
         """A peer holds a copy of this step's pieces: keep it until two newer steps are pinned."""
@@ -90,7 +111,7 @@ class Snapshots:
             found = self._memory.get(step)
         return found[1] if found is not None and found[0] == layout else {}
 
-    def _write(self, step: int, layout: int, pieces: Pieces) -> None:
+    def _write(self, step: int, layout: int, pieces: Pieces) -> Path:
         """One file per step: a JSON header (restore point, and dtype, shape and offset of every
         piece), then the raw bytes of each piece; written whole under a temporary name, then renamed."""
         assert self.directory is not None
@@ -105,20 +126,65 @@ class Snapshots:
         header = json.dumps({"step": step, "layout": layout, "pieces": entries, "size": offset}).encode()
         start = -(-(len(_MAGIC) + 8 + len(header)) // _ALIGN) * _ALIGN
         tmp = self.directory / f".step_{step:010d}{_SUFFIX}.tmp"
-        with open(tmp, "wb") as f:
+        # Written over a retired file of the same size where one is free: its pages are allocated
+        # already (a new file of tens of megabytes in tmpfs costs three times the copy, in faults).
+        spare = self._take_spare(start + offset)
+        if spare is not None:
+            os.replace(spare, tmp)
+        with open(tmp, "r+b" if spare is not None else "wb") as f:
             f.write(_MAGIC + len(header).to_bytes(8, "little") + header)
             for at, values in zip(offsets, pieces.values(), strict=True):
                 f.seek(start + at)
                 f.write(np.require(values, requirements="C").data.cast("B"))
             f.truncate(start + offset)
-        os.replace(tmp, self.directory / f"step_{step:010d}{_SUFFIX}")
+        final = self.directory / f"step_{step:010d}{_SUFFIX}"
+        os.replace(tmp, final)
         # Keep the steps held in memory (the newest, and those a buddy copied); any "newer" ones
         # left by an abandoned timeline (a run that went further before restoring an older step) go.
+        # A file still mapped by a snapshot dropped meanwhile stays readable until it is let go.
         with self._lock:
-            keep = set(self._memory) | {step}
+            newest = sorted({*self._memory, step})[-self.keep :]
+            keep = set(newest) | set(self._pinned)
         for path in self.directory.glob(f"step_*{_SUFFIX}"):
             if _step_of(path) not in keep:
-                path.unlink(missing_ok=True)
+                self._retire(path)
+        return final
+
+    def _retire(self, path: Path) -> None:
+        """A snapshot file no longer kept: a spare to write the next one over (two at most)."""
+        assert self.directory is not None
+        spares = sorted(self.directory.glob(f".spare_*{_SUFFIX}"))
+        if len(spares) >= _SPARES:
+            path.unlink(missing_ok=True)
+            return
+        names = {p.name for p in spares}
+        name = next(f".spare_{i}{_SUFFIX}" for i in range(_SPARES + 1) if f".spare_{i}{_SUFFIX}" not in names)
+        with contextlib.suppress(FileNotFoundError):
+            os.replace(path, self.directory / name)
+
+    def _take_spare(self, size: int) -> Path | None:
+        """A spare file of ``size`` bytes that nothing maps any more, if there is one."""
+        assert self.directory is not None
+        for spare in sorted(self.directory.glob(f".spare_*{_SUFFIX}")):
+            try:
+                info = spare.stat()
+            except FileNotFoundError:
+                continue
+            mapped = self._maps.get(info.st_ino)
+            if info.st_size == size and (mapped is None or mapped() is None):
+                self._maps.pop(info.st_ino, None)
+                return spare
+        return None
+
+    def _map(self, path: Path) -> tuple[int, Pieces]:
+        """``_read``, remembering the mapping so that the file is not written over while in use."""
+        layout, pieces, mapped = _read(path)
+        if mapped is not None:
+            ino = os.stat(path).st_ino
+            with self._lock:
+                self._maps = {k: r for k, r in self._maps.items() if r() is not None}
+                self._maps[ino] = weakref.ref(mapped)
+        return layout, pieces
 
     def clear(self) -> None:
         """Forget every snapshot: the run restarted its timeline from a checkpoint or from scratch."""
@@ -126,7 +192,10 @@ class Snapshots:
             self._memory.clear()
             self._pinned.clear()
         if self.directory is not None:
-            for path in self.directory.glob(f"step_*{_SUFFIX}"):
+            for path in [
+                *self.directory.glob(f"step_*{_SUFFIX}"),
+                *self.directory.glob(f".spare_*{_SUFFIX}"),
+            ]:
                 path.unlink(missing_ok=True)
 
     def drop_after(self, step: int) -> None:
@@ -166,7 +235,7 @@ class Snapshots:
         if not path.exists():
             return None
         try:
-            layout, pieces = _read(path)
+            layout, pieces = self._map(path)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning(
                 "host snapshot unreadable; falling back to the next tier",
@@ -193,9 +262,10 @@ def _fits(pieces: Pieces, shapes: Sequence[tuple[tuple[int, ...], Any]]) -> bool
     return True
 
 
-def _read(path: Path) -> tuple[int, Pieces]:
+def _read(path: Path) -> tuple[int, Pieces, np.ndarray | None]:
     """The layout and pieces of a snapshot file, as read-only views of it mapped into memory (no
-    byte is read until used). ValueError if the file is not a whole snapshot."""
+    byte is read until used), and the mapping they are views of (None: an empty file). ValueError if
+    the file is not a whole snapshot."""
     with open(path, "rb") as f:
         if f.read(len(_MAGIC)) != _MAGIC:
             raise ValueError("not a remesh snapshot")
@@ -207,12 +277,16 @@ def _read(path: Path) -> tuple[int, Pieces]:
     size = path.stat().st_size
     if size != start + int(header["size"]):
         raise ValueError(f"truncated: {size} bytes, the header describes {start + int(header['size'])}")
-    mapped = np.memmap(path, dtype=np.uint8, mode="r") if header["size"] else np.zeros(0, np.uint8)
+    mapped = np.memmap(path, dtype=np.uint8, mode="r") if header["size"] else None
     pieces: Pieces = {}
     for raw_key, dtype, shape, at, nbytes in header["pieces"]:
-        flat = mapped[start + at : start + at + nbytes] if nbytes else np.zeros(0, np.uint8)
+        flat = (
+            mapped[start + at : start + at + nbytes]
+            if nbytes and mapped is not None
+            else np.zeros(0, np.uint8)
+        )
         pieces[decode_key(raw_key)] = flat.view(np.dtype(dtype)).reshape(shape)
-    return int(header["layout"]), pieces
+    return int(header["layout"]), pieces, mapped
 
 
 def _step_of(path: Path) -> int:

@@ -1,91 +1,35 @@
-"""Checkpoint tiers of the elastic trainer: a local directory and a GCS bucket, one interface.
-
-The session restores from a host-memory snapshot where one survives; these tiers are the fallback
-(the newest committed checkpoint, local then GCS) and what survives losing every host. A state is a
-pytree of host numpy arrays (``jax.device_get(state)``) with its step, epoch and a small JSON
-``extra`` dict (e.g. the data position). Both tiers share one layout::
-
-    {root}/EPOCH_FENCE                  the highest epoch that has written here (JSON)
-    {root}/step_0000000120/state/...    an Orbax PyTree checkpoint of the state
-    {root}/step_0000000120/COMMITTED    the commit marker, written last: step, epoch, time, extra,
-                                        and the size and sha256 of every file of the step
-
-A step without a marker is incomplete (a writer died): it is never restored, and a later save of
-that step replaces it. A committed step whose files do not match its marker, or that Orbax cannot
-read, is corrupt: restore warns and falls back to the previous committed step. A committed step is
-never replaced: the marker is created exclusively (local: a hard link, which fails if the name
-exists; GCS: ``if_generation_match=0``).
-
-The arbiter of commits: in a job under remesh the coordinator decides whether a checkpoint counts.
-``save(..., approve=...)`` asks it (``approve(step, epoch, tier)``, through the agent) after the
-files are written and before the marker: it accepts only while ``epoch`` is current, so a writer
-paused or cut off through an epoch change never commits, however long it was away. Readers given
-``trusted`` (the commits the coordinator accepted, from the epoch's topology) restore nothing else.
-
-Epoch fencing (also where no coordinator is asked): a writer from an older epoch never writes over a
-newer epoch's work. ``save`` at
-epoch E raises the fence to E by compare-and-swap (local: under an fcntl lock; GCS: generation
-preconditions) and is refused with ``StaleEpoch`` if the fence is already higher; it checks again
-just before the marker. For the sliver of time between that check and the marker, restore also
-skips a committed step whose epoch is older than that of a committed step before it: such a step
-continues a timeline a newer epoch has abandoned.
-
-Orbax runs process-locally: in a multi-process JAX job only rank 0 saves (the state is
-replicated), and any process may restore on its own, so every Orbax call takes part alone
-(``MultiprocessingOptions(primary_host=me, active_processes={me})``: Orbax skips its cross-process
-barriers when the only active process is the caller). Orbax writes host numpy arrays only from
-JAX process 0, hence ``NotProcessZero``.
-
-Errors::
-
-    CheckpointError
-    ├── StaleEpoch           a newer epoch has written here: this writer is stale; stop, do not retry
-    ├── AlreadyCommitted     the step is committed already; skip this save (nothing was written)
-    ├── NotProcessZero       save called from a JAX process other than 0; a programming error
-    └── NoViableCheckpoint   nothing committed and intact at or below the step: start from scratch
-
-Storage errors (``OSError``, ``google.api_core`` exceptions) pass through unchanged: a failed save
-is safe to retry, since it left at most an incomplete step.
-"""
+"""What both tiers share: the commit marker, the fence, the Orbax calls, and ``Checkpoints``, the
+protocol (save, commit, restore, prune) over a storage each tier implements (see the package's
+docstring)."""
 
 from __future__ import annotations
 
 import abc
 import contextlib
-import fcntl
 import hashlib
 import json
-import os
 import re
-import shutil
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import structlog
 
-if TYPE_CHECKING:
-    from google.cloud import storage
-
-__all__ = [
-    "AlreadyCommitted",
-    "Approve",
-    "CheckpointError",
-    "Checkpoints",
-    "GcsCheckpoints",
-    "LocalCheckpoints",
-    "NoViableCheckpoint",
-    "NotProcessZero",
-    "Restored",
-    "StaleEpoch",
-]
+from remesh.elastic.errors import (
+    AlreadyCommitted,
+    CheckpointError,
+    NotProcessZero,
+    NoViableCheckpoint,
+    StaleEpoch,
+)
 
 log = structlog.get_logger("remesh.elastic.checkpoints")
+
 
 PyTree = Any
 # Asks the arbiter of commits to accept (step, epoch) for a tier; raises StaleEpoch when it refuses.
@@ -102,26 +46,6 @@ _CRC32C = "crc32c:"
 _FENCE_ATTEMPTS = 20
 # Parallel uploads/downloads (threads: JAX dislikes fork); an Orbax step has a handful of files.
 _TRANSFER_WORKERS = 8
-
-
-class CheckpointError(Exception):
-    """Root of every error the checkpoint tiers raise on purpose."""
-
-
-class StaleEpoch(CheckpointError):
-    pass
-
-
-class AlreadyCommitted(CheckpointError):
-    pass
-
-
-class NotProcessZero(CheckpointError):
-    pass
-
-
-class NoViableCheckpoint(CheckpointError):
-    pass
 
 
 class _Corrupt(Exception):
@@ -252,8 +176,10 @@ class Checkpoints(abc.ABC):
     # the tier must be a place every host reaches.
     sharded_saves = False
 
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, clock: Callable[[], float] = time.time, max_to_keep: int | None = 3) -> None:
         self._clock = clock
+        # Committed steps kept: after each commit the older ones go (None or 0: every one is kept).
+        self.max_to_keep = max_to_keep
 
     # ---- the interface -------------------------------------------------------------------------
 
@@ -302,6 +228,7 @@ class Checkpoints(abc.ABC):
             bytes=sum(size for size, _ in files.values()),
             seconds=round(time.monotonic() - started, 3),
         )
+        self.prune()
 
     # ---- sharded state: every process writes its own shards, rank 0 commits ----------------------
 
@@ -344,6 +271,29 @@ class Checkpoints(abc.ABC):
             bytes=sum(size for size, _ in files.values()),
             seconds=round(time.monotonic() - started, 3),
         )
+        self.prune()
+
+    def prune(self) -> list[int]:
+        """Delete the committed steps older than the newest ``max_to_keep``, and the leftovers of
+        writers that died before them; never a step newer than the oldest kept (a save on its way).
+        Each step's marker goes first: a deletion cut short leaves an incomplete step, which is never
+        restored. A failure is logged, not raised (the commit before it stands). The steps deleted."""
+        if not self.max_to_keep:
+            return []
+        try:
+            steps, marked = self._listing()
+            kept = sorted(marked)[-self.max_to_keep :]
+            if not kept:
+                return []
+            doomed = sorted(s for s in steps if s < kept[0])
+            for step in doomed:
+                self._delete_step(step, step in marked)
+        except Exception as exc:
+            log.warning("old checkpoints not deleted", source=self.name, error=str(exc))
+            return []
+        if doomed:
+            log.info("old checkpoints deleted", source=self.name, steps=doomed, kept=kept)
+        return doomed
 
     def _global_manifest(self, step: int) -> dict[str, tuple[int, str]]:
         """What every process wrote for ``step``: path relative to the step -> (size, digest)."""
@@ -523,300 +473,6 @@ class Checkpoints(abc.ABC):
     def _fetch(self, marker: _Marker) -> Path:
         """A local step directory whose files match ``marker``; _Corrupt if they cannot."""
 
-
-class LocalCheckpoints(Checkpoints):
-    """Checkpoints in a local (or shared POSIX) directory.
-
-    A sharded state is written here by every process for its own shards: the directory must be one
-    every host of the job reaches (a shared filesystem; on one machine, any directory).
-    """
-
-    sharded_saves = True
-
-    def __init__(self, directory: str | os.PathLike[str], clock: Callable[[], float] = time.time) -> None:
-        super().__init__(clock)
-        self.name = "local"
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
-
-    def _marker_path(self, step: int) -> Path:
-        return self.directory / _step_name(step) / MARKER
-
-    def _global_dir(self, step: int) -> Path:
-        return self.directory / _step_name(step)
-
-    def _listing(self) -> tuple[set[int], set[int]]:
-        steps = {
-            int(m.group(1)) for p in self.directory.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()
-        }
-        return steps, {s for s in steps if self._marker_path(s).is_file()}
-
-    def _marker_exists(self, step: int) -> bool:
-        return self._marker_path(step).exists()
-
-    def _read_marker(self, step: int) -> bytes | None:
-        try:
-            return self._marker_path(step).read_bytes()
-        except FileNotFoundError:
-            return None
-
-    def _writing(self) -> contextlib.AbstractContextManager[None]:
-        # One local writer at a time: between a writer's "no marker yet" and its removal of the
-        # step's leftovers, no other writer may commit that step.
-        return _flocked(self.directory / ".WRITER.lock")
-
-    def _raise_fence(self, epoch: int) -> None:
-        path = self.directory / FENCE
-        with _flocked(self.directory / f".{FENCE}.lock"):
-            current = _decode_fence(path.read_bytes()) if path.exists() else None
-            if _must_raise_fence(current, epoch):
-                _write_atomically(path, _encode_fence(epoch))
-
-    def _staging_dir(self, step: int) -> Path:
-        staged = self.directory / _step_name(step)
-        if staged.exists():  # no marker (checked under the writer lock): a dead writer's leftovers
-            log.info("replacing an incomplete checkpoint", step=step, source=self.name)
-            shutil.rmtree(staged)
-        staged.mkdir()
-        return staged
-
-    def _publish(self, step: int, staged: Path, files: Mapping[str, tuple[int, str]]) -> None:
-        pass  # Orbax wrote in place and synced its files
-
-    def _create_marker(self, step: int, data: bytes) -> None:
-        # Written whole under a temporary name, then hard-linked: the link fails if the marker
-        # exists (like O_EXCL), and no reader ever sees a half-written marker.
-        marker = self._marker_path(step)
-        temporary = marker.with_name(f".{MARKER}.{os.getpid()}.tmp")
-        _write_synced(temporary, data)
-        try:
-            os.link(temporary, marker)
-        except FileExistsError:
-            raise AlreadyCommitted(f"step {step} is committed in {self.name} already") from None
-        finally:
-            temporary.unlink()
-        _sync_dir(marker.parent)
-
-    def _committed(self, step: int, staged: Path) -> None:
-        pass
-
-    def _fetch(self, marker: _Marker) -> Path:
-        step_dir = self.directory / _step_name(marker.step)
-        bad = _mismatches(step_dir, marker.files)
-        if bad:
-            raise _Corrupt(f"{len(bad)} file(s) differ from the marker, e.g. {bad[0]}")
-        return step_dir
-
-
-class GcsCheckpoints(Checkpoints):
-    """Checkpoints in a GCS bucket under ``prefix``, written through a local staging directory.
-
-    Orbax writes into ``staging_dir`` (private to this object); the files are uploaded with
-    threads, then the marker is created with ``if_generation_match=0``. Restore downloads into
-    ``staging_dir`` and checks every file against the marker before Orbax reads it.
-    """
-
-    def __init__(
-        self,
-        bucket: str,
-        prefix: str,
-        client: storage.Client,
-        staging_dir: str | os.PathLike[str],
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        super().__init__(clock)
-        self.name = "gcs"
-        self.bucket = client.bucket(bucket)
-        self.prefix = prefix.strip("/")
-        self.staging_dir = Path(staging_dir)
-
-    def _object(self, rel: str) -> str:
-        return f"{self.prefix}/{rel}" if self.prefix else rel
-
-    # ---- sharded state: every host writes its own shards straight to the bucket (Orbax) --------
-    # The marker lists each object's size and CRC32C (from the listing: no byte is read back), and a
-    # restore checks them the same way, then every process reads only its own shards from GCS.
-
-    sharded_saves = True
-
-    def _global_dir(self, step: int) -> Any:
-        from etils import epath  # type: ignore[import-untyped]  # Orbax's path type; no stubs
-
-        return epath.Path(f"gs://{self.bucket.name}/{self._object(_step_name(step))}")
-
-    def _blobs(self, step: int) -> dict[str, Any]:
-        root = self._object(f"{_step_name(step)}/")
-        return {
-            blob.name[len(root) :]: blob
-            for blob in self.bucket.client.list_blobs(self.bucket, prefix=root)
-            if not blob.name.endswith("/")
-        }
-
-    def prepare_global(self, step: int, epoch: int) -> bool:
-        if not super().prepare_global(step, epoch):
-            return False
-        for blob in self._blobs(step).values():  # an incomplete step of a dead writer
-            blob.delete()
-        return True
-
-    def _global_manifest(self, step: int) -> dict[str, tuple[int, str]]:
-        return {
-            rel: (int(blob.size), f"{_CRC32C}{blob.crc32c}")
-            for rel, blob in self._blobs(step).items()
-            if rel.startswith(f"{STATE}/")
-        }
-
-    def _marker_object(self, step: int) -> str:
-        return self._object(f"{_step_name(step)}/{MARKER}")
-
-    def _listing(self) -> tuple[set[int], set[int]]:
-        # One listing of every object: fake-gcs-server ignores match_glob, and a job keeps a
-        # handful of steps of a dozen files each.
-        root = self._object("")
-        steps: set[int] = set()
-        marked: set[int] = set()
-        for blob in self.bucket.client.list_blobs(self.bucket, prefix=root):
-            head, _, rest = blob.name[len(root) :].partition("/")
-            if m := _STEP_DIR.match(head):
-                steps.add(int(m.group(1)))
-                if rest == MARKER:
-                    marked.add(int(m.group(1)))
-        return steps, marked
-
-    def _marker_exists(self, step: int) -> bool:
-        return bool(self.bucket.blob(self._marker_object(step)).exists())
-
-    def _read_marker(self, step: int) -> bytes | None:
-        from google.api_core import exceptions as gexc
-
-        try:
-            return bytes(self.bucket.blob(self._marker_object(step)).download_as_bytes())
-        except gexc.NotFound:
-            return None
-
-    def _raise_fence(self, epoch: int) -> None:
-        from google.api_core import exceptions as gexc
-
-        name = self._object(FENCE)
-        for _ in range(_FENCE_ATTEMPTS):
-            blob = self.bucket.blob(name)
-            try:
-                current: int | None = _decode_fence(blob.download_as_bytes())
-                generation = int(blob.generation)
-            except gexc.NotFound:
-                current, generation = None, 0  # generation 0: "create only if absent"
-            if not _must_raise_fence(current, epoch):
-                return
-            try:
-                self.bucket.blob(name).upload_from_string(
-                    _encode_fence(epoch), content_type="application/json", if_generation_match=generation
-                )
-                return
-            except gexc.PreconditionFailed:
-                continue  # another writer moved the fence between our read and write: read again
-        raise CheckpointError(f"epoch fence {name} still contended after {_FENCE_ATTEMPTS} attempts")
-
-    def _staging_dir(self, step: int) -> Path:
-        staged = self.staging_dir / "save" / _step_name(step)
-        shutil.rmtree(staged.parent, ignore_errors=True)
-        staged.mkdir(parents=True)
-        return staged
-
-    def _publish(self, step: int, staged: Path, files: Mapping[str, tuple[int, str]]) -> None:
-        from google.cloud.storage import transfer_manager
-
-        # Objects of an incomplete step from a crashed writer are overwritten here; any it had
-        # that this step lacks are never read (restore reads only what the marker lists).
-        transfer_manager.upload_many_from_filenames(
-            self.bucket,
-            sorted(files),
-            source_directory=str(staged),
-            blob_name_prefix=self._object(f"{_step_name(step)}/"),
-            worker_type=transfer_manager.THREAD,
-            max_workers=_TRANSFER_WORKERS,
-            raise_exception=True,
-        )
-
-    def _create_marker(self, step: int, data: bytes) -> None:
-        from google.api_core import exceptions as gexc
-
-        try:
-            self.bucket.blob(self._marker_object(step)).upload_from_string(
-                data, content_type="application/json", if_generation_match=0
-            )
-        except gexc.PreconditionFailed:
-            # A retried request whose first attempt landed reads back our own marker: committed.
-            if self._read_marker(step) != data:
-                raise AlreadyCommitted(f"step {step} is committed in {self.name} already") from None
-
-    def _committed(self, step: int, staged: Path) -> None:
-        shutil.rmtree(staged, ignore_errors=True)
-
-    def _fetch(self, marker: _Marker) -> Path:
-        from google.api_core import exceptions as gexc
-        from google.cloud.storage import transfer_manager
-        from google.cloud.storage.exceptions import DataCorruption
-
-        if all(digest.startswith(_CRC32C) for _, digest in marker.files.values()):
-            # A sharded state: checked in place (sizes and CRC32C of the listing), read from GCS.
-            listed = self._global_manifest(marker.step)
-            bad = [rel for rel, entry in marker.files.items() if listed.get(rel) != entry]
-            if bad:
-                raise _Corrupt(f"{len(bad)} object(s) differ from the marker, e.g. {bad[0]}")
-            return self._global_dir(marker.step)
-
-        local = self.staging_dir / "restore" / _step_name(marker.step)
-        for other in local.parent.glob("step_*"):  # keep one downloaded step at most
-            if other != local:
-                shutil.rmtree(other, ignore_errors=True)
-        missing = _mismatches(local, marker.files)  # files a previous call verified are kept
-        if missing:
-            try:
-                transfer_manager.download_many_to_path(
-                    self.bucket,
-                    missing,
-                    destination_directory=str(local),
-                    blob_name_prefix=self._object(f"{_step_name(marker.step)}/"),
-                    worker_type=transfer_manager.THREAD,
-                    max_workers=_TRANSFER_WORKERS,
-                    raise_exception=True,
-                )
-            except (gexc.NotFound, DataCorruption) as exc:
-                raise _Corrupt(f"download failed: {exc}") from exc
-        bad = _mismatches(local, marker.files)
-        if bad:
-            raise _Corrupt(f"{len(bad)} file(s) differ from the marker, e.g. {bad[0]}")
-        return local
-
-
-@contextlib.contextmanager
-def _flocked(path: Path) -> Iterator[None]:
-    """An exclusive fcntl lock on ``path``, shared with other processes; released on exit."""
-    with path.open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with path.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _sync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    _write_synced(temporary, data)
-    os.replace(temporary, path)
-    _sync_dir(path.parent)
+    @abc.abstractmethod
+    def _delete_step(self, step: int, committed: bool) -> None:
+        """Delete the step: its marker first (where ``committed``), then every file of it."""

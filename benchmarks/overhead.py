@@ -1,0 +1,217 @@
+"""What a healthy step costs under remesh: the same model, mesh and data trained by a plain JAX loop
+(examples/tinylm/train_plain_sharded.py: jax.distributed, no remesh) and under remesh (coordinator,
+agents, the Session loop with snapshots, buddy copies, progress reports and checkpoints every
+--checkpoint-every steps), in alternating rounds of one run.
+
+    python benchmarks/overhead.py [--state-mb 256] [--steps N] [--rounds R] [--snapshot-every K]
+
+Both jobs are --hosts processes of 2 virtual CPU devices each, FSDP over all of them. A step's time
+is the interval between consecutive steps completed on process 0 (both loops read a step's loss
+once the next step is dispatched); the first --warmup steps of every run (compiling) are left out.
+Prints a table and, as its last line, a JSON object with overhead_ratio (remesh / plain, of the
+median step times), state_mb, snapshot_every, plain_step_s_p50, remesh_step_s_p50 and the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from remesh.cli.logs import configure_logging
+from remesh.elastic import Policy
+from remesh.embedded import RedisServer
+from remesh.embedded.cluster import LocalCluster, wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.recovery import d_model_for, state_bytes  # noqa: E402  (sized as the recovery benchmark)
+
+ENV = {"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+
+
+def progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def model_args(args: argparse.Namespace) -> list[str]:
+    return [
+        "--d-model", str(args.d_model), "--layers", str(args.layers), "--seq-len", str(args.seq_len),
+        "--batch", str(args.batch), "--steps", str(args.steps),
+    ]  # fmt: skip
+
+
+def step_times(metrics: Path, warmup: int) -> list[float]:
+    """Seconds between consecutive completed steps of process 0, after the first ``warmup``."""
+    lines = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    times = {int(r["step"]): float(r["t"]) for r in lines}
+    steps = sorted(s for s in times if s > warmup)
+    return [times[s] - times[s - 1] for s in steps if s - 1 in times]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def plain_run(tmp: Path, args: argparse.Namespace) -> list[float]:
+    metrics = tmp / f"plain-{uuid.uuid4().hex[:6]}.jsonl"
+    address = f"127.0.0.1:{free_port()}"
+    procs = []
+    for i in range(args.hosts):
+        cmd = [
+            sys.executable, "-m", "examples.tinylm.train_plain_sharded", *model_args(args),
+            "--processes", str(args.hosts), "--process-id", str(i), "--coordinator", address,
+            "--metrics", str(metrics),
+        ]  # fmt: skip
+        log = open(tmp / f"plain-{i}.log", "w")  # noqa: SIM115
+        procs.append(subprocess.Popen(cmd, env={**os.environ, **ENV}, stdout=log, stderr=subprocess.STDOUT))
+    try:
+        for proc in procs:
+            if proc.wait(timeout=args.run_timeout) != 0:
+                raise RuntimeError(f"the plain run failed; see {tmp}/plain-*.log")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return step_times(metrics, args.warmup)
+
+
+def remesh_run(tmp: Path, redis_url: str, args: argparse.Namespace) -> tuple[list[float], dict[str, float]]:
+    job = f"overhead-{uuid.uuid4().hex[:8]}"
+    folder = tmp / job
+    folder.mkdir()
+    cluster = LocalCluster(folder, redis_url, job)
+    trainer = [
+        sys.executable, "-m", "examples.tinylm.train_elastic", *model_args(args),
+        "--sharding", "fsdp", "--log-every", "1000", "--metrics-dir", str(folder / "metrics"),
+        "--snapshot-every", str(args.snapshot_every),
+    ]  # fmt: skip
+    if args.checkpoint_every:
+        trainer += [
+            "--checkpoint-dir",
+            str(folder / "ckpt"),
+            "--checkpoint-every",
+            str(args.checkpoint_every),
+        ]
+    try:
+        cluster.start_coordinator("--world-size", str(args.hosts))
+        for i in range(args.hosts):
+            cluster.start_agent(f"host-{i}", trainer=trainer, env=ENV, extra=("--no-warm-standby",))
+
+        def finished() -> Path | None:
+            for path in (folder / "metrics").glob("*.jsonl"):
+                lines = path.read_text().splitlines()
+                if lines and json.loads(lines[-1])["step"] >= args.steps:
+                    return path
+            return None
+
+        metrics = wait_for(finished, args.run_timeout, "the remesh run to finish", interval=0.5)
+        started = [p for p in (folder / "metrics").glob("*.jsonl") if p.stat().st_size]
+        if len(started) > 1:  # a trainer process was replaced: a recovery, not a healthy run
+            raise RuntimeError(
+                f"the remesh run recovered from a fault ({len(started)} trainer processes wrote steps); "
+                "its step times would not be a healthy run's"
+            )
+        last = json.loads(Path(metrics).read_text().splitlines()[-1])  # type: ignore[arg-type]
+        stats = {
+            k: float(last.get(k, 0.0))
+            for k in ("snapshot_s", "snapshots_skipped", "checkpoint_wait_s", "buddy_copies", "buddy_wait_s")
+        }
+        return step_times(Path(metrics), args.warmup), stats  # type: ignore[arg-type]
+    except BaseException:
+        progress(f"remesh: the remesh run did not finish; its logs end with:\n{cluster.log_tails()}")
+        raise
+    finally:
+        cluster.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--state-mb", type=float, default=64.0, help="size the model to about this much state"
+    )
+    parser.add_argument("--steps", type=int, default=30, help="steps per run")
+    parser.add_argument("--warmup", type=int, default=5, help="first steps of a run left out")
+    parser.add_argument("--rounds", type=int, default=3, help="plain and remesh runs, alternating")
+    parser.add_argument("--hosts", type=int, default=2)
+    parser.add_argument("--snapshot-every", type=int, default=Policy().snapshot_every)
+    parser.add_argument("--checkpoint-every", type=int, default=10, help="remesh run (0: none)")
+    parser.add_argument("--run-timeout", type=float, default=900.0)
+    args = parser.parse_args()
+    if args.steps <= args.warmup + 1:
+        parser.error("--steps must exceed --warmup + 1")
+    args.layers, args.seq_len, args.batch = 2, 8, 24
+    args.d_model = d_model_for(args.state_mb, args.layers, args.seq_len)
+    mb = state_bytes(args.d_model, args.layers, args.seq_len) / 2**20
+    configure_logging(level="warning")
+    progress(
+        f"remesh: fsdp state of {mb:.0f} MiB (d_model {args.d_model}) over {args.hosts} hosts x 2 devices; "
+        f"{args.rounds} rounds of {args.steps} steps, plain then remesh"
+    )
+    plain: list[float] = []
+    under: list[float] = []
+    stats: list[dict[str, float]] = []
+    with (
+        tempfile.TemporaryDirectory(prefix="remesh-overhead-") as name,
+        RedisServer(appendonly=False) as redis,
+    ):
+        tmp = Path(name)
+        for r in range(args.rounds):
+            t = time.monotonic()
+            times = plain_run(tmp, args)
+            plain += times
+            progress(
+                f"  round {r + 1}/{args.rounds}: plain  {statistics.median(times):.3f} s/step ({time.monotonic() - t:.0f} s)"
+            )
+            t = time.monotonic()
+            times, s = remesh_run(tmp, redis.url, args)
+            under += times
+            stats.append(s)
+            progress(
+                f"  round {r + 1}/{args.rounds}: remesh {statistics.median(times):.3f} s/step ({time.monotonic() - t:.0f} s)"
+            )
+    p50_plain, p50_remesh = statistics.median(plain), statistics.median(under)
+    ratio = p50_remesh / p50_plain
+    print()
+    print(f"{'loop':<10}{'step p50 (s)':>14}{'p90 (s)':>10}{'steps':>8}")
+    for name, values in (("plain", plain), ("remesh", under)):
+        p90 = statistics.quantiles(values, n=10)[-1] if len(values) > 1 else values[0]
+        print(f"{name:<10}{statistics.median(values):>14.4f}{p90:>10.4f}{len(values):>8}")
+    print(f"overhead ratio (remesh / plain): {ratio:.3f}")
+    print(
+        f"remesh, per run: snapshots skipped {statistics.median(s['snapshots_skipped'] for s in stats):.0f}, "
+        f"background snapshot time {statistics.median(s['snapshot_s'] for s in stats):.2f} s, "
+        f"waits for a checkpoint {statistics.median(s['checkpoint_wait_s'] for s in stats):.2f} s, "
+        f"buddy copies {statistics.median(s['buddy_copies'] for s in stats):.0f}, "
+        f"waits for buddy copies {statistics.median(s['buddy_wait_s'] for s in stats):.2f} s"
+    )
+    result = {
+        "overhead_ratio": round(ratio, 4),
+        "state_mb": round(mb, 1),
+        "snapshot_every": args.snapshot_every,
+        "checkpoint_every": args.checkpoint_every,
+        "plain_step_s_p50": round(p50_plain, 4),
+        "remesh_step_s_p50": round(p50_remesh, 4),
+        "hosts": args.hosts,
+        "rounds": args.rounds,
+        "steps_per_run": args.steps,
+    }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,88 @@
+"""Train tinylm FSDP-sharded in your own loop, elastically: ``train_plain_sharded.py`` under remesh.
+
+    remesh agent --coordinator ADDR --host-id host-0 --devices 2 -- \\
+        python -m examples.tinylm.train_own_loop --steps 300
+
+The loop, the jitted step and the batch are the plain script's; what changes (``diff`` the two):
+no ``jax.distributed.initialize`` and no mesh of your own (each epoch brings its mesh, its state
+shardings and the state restored onto them), the loop sits inside ``for epoch in
+session.epochs(...)`` / ``with epoch:``, each host loads only its own rows of the step's batch
+(``epoch.host_rows``) and feeds them through ``epoch.batch``, and
+``epoch.done(state, metrics)`` takes each new state back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import time
+
+import jax
+import numpy as np
+
+from examples.tinylm import data, model
+from remesh.elastic import Layout, Policy, Session, fsdp_partition
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--devices", type=int, default=int(os.environ.get("REMESH_DEVICE_COUNT", "2")))
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--batch", type=int, default=24)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--d-model", type=int, default=model.Config.d_model)
+    p.add_argument("--layers", type=int, default=model.Config.n_layers)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--metrics", help="process 0 appends one JSON line per step here")
+    p.add_argument("--snapshot-every", type=int, default=Policy().snapshot_every)
+    p.add_argument("--save-final", help="rank 0 writes the final state's leaves here (.npz)")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="pause after each step (paces tests)")
+    args = p.parse_args(argv)
+
+    config = model.Config(
+        seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers, d_mlp=4 * args.d_model
+    )
+    session = Session(
+        init_state=functools.partial(model.init_state, args.seed, config),
+        devices_per_host=args.devices,
+        layout=Layout(partition=fsdp_partition),
+        policy=Policy(
+            snapshot_every=args.snapshot_every,
+            buddy_every=args.snapshot_every,
+            gather_final=bool(args.save_final),
+        ),
+    )
+    out = open(args.metrics, "a", buffering=1) if args.metrics else None  # noqa: SIM115
+    for epoch in session.epochs(args.steps):
+        with epoch:
+            step_fn = jax.jit(
+                functools.partial(model.train_step, config=config),
+                in_shardings=(epoch.shardings, epoch.batch_sharding),
+                out_shardings=(epoch.shardings, epoch.replicated),
+            )
+            state = epoch.state
+            for step in epoch.steps():
+                rows = data.global_batch(
+                    step, args.batch, args.seq_len, args.seed, epoch.host_rows(args.batch)
+                )
+                state, metrics = step_fn(state, epoch.batch(rows))
+                done = epoch.done(state, metrics)
+                if done is not None and out is not None and epoch.rank == 0:
+                    out.write(
+                        json.dumps({"t": round(time.time(), 4), "step": done.step, **done.metrics}) + "\n"
+                    )
+        if epoch.last is not None and epoch.rank == 0:
+            print(f"finished at step {epoch.last.step}: loss {epoch.last.metrics['loss']:.4f}", flush=True)
+            if args.save_final:
+                tmp = f"{args.save_final}.tmp"  # written whole, then renamed
+                with open(tmp, "wb") as f:
+                    np.savez(f, *session.final_leaves())
+                os.replace(tmp, args.save_final)
+    session.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,108 @@
+"""A healthy step waits for nothing on the host: a real trainer process under a real agent and
+coordinator, whose snapshot writer is made deliberately slow, keeps stepping while it writes."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from remesh.elastic import Policy
+from remesh.embedded import RedisServer
+from tests.procs import Cluster, wait_for
+from tests.test_elastic_e2e import ENV, new_job_id
+
+pytestmark = pytest.mark.integration
+
+STEPS = 12
+WRITE_S = 1.0
+
+# A user's script, as it would run under `remesh agent`, with one change for the test: the
+# snapshot store records when each write begins and ends and takes WRITE_S seconds to write.
+SLOW_WRITER = textwrap.dedent(
+    """
+    import functools, json, sys, time
+    from examples.tinylm import data, model
+    from remesh.elastic import Policy, Session
+    from remesh.elastic.snapshots import Snapshots
+
+    events = []
+
+    class SlowSnapshots(Snapshots):
+        def put(self, step, layout, pieces):
+            events.append(["write-begin", step])
+            time.sleep(float(sys.argv[3]))
+            super().put(step, layout, pieces)
+            events.append(["write-end", step])
+
+    config = model.Config(seq_len=16, d_model=32, n_layers=1, d_mlp=128)
+    session = Session(
+        init_state=functools.partial(model.init_state, 0, config),
+        train_step=functools.partial(model.train_step, config=config),
+        batch_for_step=lambda step: data.global_batch(step, 4, 16, 0),
+        devices_per_host=2,
+        policy=Policy(snapshot_every=1, shm_dir=None),
+    )
+    session.snapshots = SlowSnapshots(session.snapshots.keep, None)
+    for result in session.run(int(sys.argv[2])):
+        events.append(["step", result.step])
+    events.append(["skipped", session.stats["snapshots_skipped"]])
+    with open(sys.argv[1], "w") as f:
+        json.dump(events, f)
+    session.close()
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def redis() -> Iterator[RedisServer]:
+    with RedisServer(appendonly=False) as server:
+        yield server
+
+
+def test_steps_go_on_while_a_slow_snapshot_is_written_and_snapshots_are_skipped_not_queued(
+    tmp_path: Path, redis: RedisServer
+) -> None:
+    script = tmp_path / "slow_writer.py"
+    script.write_text(SLOW_WRITER)
+    out = tmp_path / "events.json"
+    cluster = Cluster(tmp_path, redis.url, new_job_id())
+    try:
+        cluster.start_coordinator("--world-size", "1")
+        cluster.start_agent(
+            "host-0",
+            trainer=[sys.executable, str(script), str(out), str(STEPS), str(WRITE_S)],
+            env=ENV,
+            extra=("--no-warm-standby",),
+        )
+        wait_for(out.exists, 120, "the trainer to finish")
+        events = json.loads(out.read_text())
+    finally:
+        cluster.close()
+
+    steps = [e[1] for e in events if e[0] == "step"]
+    assert steps == list(range(1, STEPS + 1))
+    begin = events.index(["write-begin", 1])
+    end = events.index(["write-end", 1])
+    during = [e[1] for e in events[begin:end] if e[0] == "step"]
+    # The loop did not wait for the first snapshot's write: most of the run happened during it.
+    assert len(during) >= STEPS // 2, events
+    # The snapshots due meanwhile were skipped, not queued behind it (one more may wait: the loop
+    # runs a step ahead of the step it waits for); the last step's is taken.
+    writes = [e[1] for e in events if e[0] == "write-begin"]
+    assert writes[:2] == [1, 2] and writes[-1] == STEPS and len(writes) < STEPS // 2, writes
+    assert events[-1] == ["skipped", STEPS - len(writes)]
+    # A snapshot is only kept once whole: the final one ended before the job reported its end.
+    assert events.index(["write-end", STEPS]) < events.index(["step", STEPS])
+
+
+def test_a_policy_whose_buddy_copies_fall_between_snapshots_is_refused() -> None:
+    with pytest.raises(ValueError, match="multiple of snapshot_every"):
+        Policy(snapshot_every=3, buddy_every=4)
+    with pytest.raises(ValueError, match="snapshot_every must be >= 1"):
+        Policy(snapshot_every=0)
+    assert Policy(snapshot_every=3, buddy_every=6).buddy_every == 6
