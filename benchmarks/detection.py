@@ -39,7 +39,7 @@ from typing import Any
 
 import grpc
 
-from remesh.cli._logging import configure_logging
+from remesh.cli.logs import configure_logging
 from remesh.embedded import RedisServer
 from remesh.embedded.cluster import LocalCluster, wait_for
 from remesh.v1 import coordinator_pb2 as pb

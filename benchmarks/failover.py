@@ -31,7 +31,7 @@ from pathlib import Path
 
 import grpc
 
-from remesh.cli._logging import configure_logging
+from remesh.cli.logs import configure_logging
 from remesh.embedded import RedisServer
 from remesh.embedded.cluster import LocalCluster, Proc, wait_for
 from remesh.v1 import coordinator_pb2 as pb

@@ -27,7 +27,7 @@ from typing import Any
 
 from rich.console import Console
 
-from remesh.cli._logging import configure_logging
+from remesh.cli.logs import configure_logging
 from remesh.demo.display import Display
 from remesh.demo.report import BADPUT
 from remesh.demo.runner import DemoConfig, DemoRun, Schedule

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import signal
 import statistics
 import sys
@@ -45,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from remesh.cli._logging import configure_logging
+from remesh.cli.logs import configure_logging
 from remesh.embedded import RedisServer
 from remesh.embedded.cluster import LocalCluster, wait_for
 from remesh.v1 import coordinator_pb2 as pb
@@ -57,6 +58,10 @@ PHASES = ("reinit", "restore", "compile", "first_step")
 # Where a restore's time goes (part of "restore"): agreeing on the restore point with the other
 # members, fetching pieces from them, building the arrays on the new mesh.
 RESTORE_PARTS = ("restore_agree", "restore_fetch", "restore_build")
+# Where compiling the step for the new mesh goes (part of "compile", which runs beside the restore):
+# tracing (replaying the program traced once per process), lowering for the mesh, XLA (a persistent
+# cache hit when this mesh shape was seen before).
+COMPILE_PARTS = ("compile_trace", "compile_lower", "compile_xla")
 
 
 def progress(message: str) -> None:
@@ -132,7 +137,11 @@ class Job:
 
     def start(self, host: str, spare: bool = False) -> None:
         self.cluster.start_agent(
-            host, spare=spare, trainer=trainer_command(self.args, self.checkpoint_dir), env=ENV
+            host,
+            spare=spare,
+            trainer=trainer_command(self.args, self.checkpoint_dir),
+            env=ENV,
+            extra=() if self.args.trainer_nice is None else ("--trainer-nice", str(self.args.trainer_nice)),
         )
 
     def add_spare(self) -> None:
@@ -187,7 +196,9 @@ def phases_of(job: Job, epoch: int) -> dict[str, float]:
     per_member = [json.loads(e.details["phases"]) for e in acks]
     # The slowest member sets the pace: a step needs every member.
     return (
-        {p: max(m.get(p, 0.0) for m in per_member) for p in (*PHASES, *RESTORE_PARTS)} if per_member else {}
+        {p: max(m.get(p, 0.0) for m in per_member) for p in (*PHASES, *RESTORE_PARTS, *COMPILE_PARTS)}
+        if per_member
+        else {}
     )
 
 
@@ -273,6 +284,7 @@ def main() -> int:
     parser.add_argument(
         "--checkpoint-every", type=int, default=20, help="baseline checkpoint interval (steps)"
     )
+    parser.add_argument("--trainer-nice", type=int, help="the agents' --trainer-nice (default: theirs)")
     args = parser.parse_args()
     if args.state_mb:
         args.layers = 2
@@ -298,6 +310,13 @@ def main() -> int:
                     progress(
                         f"  {kind} {i + 1}/{args.trials}: MTTR {trial.mttr:.2f}s, lost {trial.lost_steps} step(s)"
                     )
+        except BaseException as exc:
+            if not isinstance(exc, KeyboardInterrupt):
+                kept = Path(tempfile.mkdtemp(prefix="remesh-recovery-failed-"))
+                shutil.copytree(job.cluster.tmp, kept, dirs_exist_ok=True)
+                progress(f"remesh: a trial failed; the job's logs are kept in {kept}; they end with:")
+                progress(job.cluster.log_tails())
+            raise
         finally:
             job.close()
         for i in range(args.trials):
@@ -321,15 +340,14 @@ def main() -> int:
         )
         print(f"{kind:<16}{p50:>10.2f}{worst:>8.2f}{max(t.lost_steps for t in rows):>10}{cells}")
     print()
-    print(f"{'restore, of which':<30}" + "".join(f"{p.removeprefix('restore_'):>10}" for p in RESTORE_PARTS))
-    for kind in ("in-place", "agent-restart", "full restart"):
-        rows = [t for t in trials if t.kind == kind]
-        print(
-            f"{kind:<30}"
-            + "".join(
-                f"{statistics.median([t.phases.get(p, 0.0) for t in rows]):>10.2f}" for p in RESTORE_PARTS
+    for what, parts in (("restore", RESTORE_PARTS), ("compile", COMPILE_PARTS)):
+        print(f"{what + ', of which':<30}" + "".join(f"{p.removeprefix(what + '_'):>10}" for p in parts))
+        for kind in ("in-place", "agent-restart", "full restart"):
+            rows = [t for t in trials if t.kind == kind]
+            print(
+                f"{kind:<30}"
+                + "".join(f"{statistics.median([t.phases.get(p, 0.0) for t in rows]):>10.2f}" for p in parts)
             )
-        )
     print()
     tiers = sorted({tier for t in trials for tier in t.bytes_by_tier})
     print(f"{'bytes restored (MiB, median)':<30}" + "".join(f"{tier:>10}" for tier in tiers))

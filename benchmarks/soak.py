@@ -40,7 +40,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from remesh.cli._logging import configure_logging
+from remesh.cli.logs import configure_logging
 from remesh.embedded.chaos import DEFAULT_WEIGHTS, FaultKind, Soak, SoakReport, SoakSettings
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -26,7 +26,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from remesh.cli import build_parser
-from remesh.cli._ops import compare, format_age, parse_since
+from remesh.cli.replay_check import compare
+from remesh.cli.views import format_age, parse_since
 from remesh.coordinator import convert
 from remesh.coordinator.model import (
     ClusterState,
@@ -218,7 +219,6 @@ class Host:
                 incarnation=self.incarnation,
                 step=self._step,
                 trainer_status=pb.TRAINER_STATUS_RUNNING,
-                sent_at=time.time(),
             )
             self._stop.wait(0.03)
 

@@ -158,6 +158,9 @@ def test_demo_survives_two_failures_in_a_row_one_of_them_the_host_of_process_0(t
         result, mark = demo(
             tmp_path, "--redis", server.url, "--hosts", "2", "--spares", "1", "--steps", "70",
             "--kill-at", "20,45", "--kill", "rank0,any", "--seed", "3", *SMALL,
+            # Slow enough that the 25 steps between the failures outlast the runner's 3 s gap
+            # after a recovery; at 0.05 s the second failure came at step 69 of 70.
+            "--step-sleep", "0.15",
             timeout=360,
         )  # fmt: skip
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

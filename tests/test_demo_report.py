@@ -119,6 +119,14 @@ def test_a_failure_without_its_events_is_reported_unrecovered() -> None:
     assert not f["recovered"] and f["missing"] == ["epoch_live"]
 
 
+def test_a_failure_the_job_finished_before_is_reported_as_such_not_as_missing_events() -> None:
+    run, failures, events, records = one_failure_run()
+    failures = [{**failures[0], "finished_first": True}]
+    failures[0].pop("recovered_epoch")
+    (f,) = build_report(run, failures, events, records)["failures"]
+    assert f["finished_first"] and not f["recovered"] and "missing" not in f
+
+
 def test_step_records_mark_the_last_training_of_each_step_as_kept() -> None:
     rows = step_records(steps(1, 3, 0, 1, 1, "a") + steps(2, 4, 10, 1, 2, "b"))
     assert [(r["step"], r["kept"]) for r in rows] == [

@@ -280,17 +280,31 @@ def test_each_worker_pod_runs_the_agent_supervising_the_trainer_as_its_child(
         assert {"/tmp", "/dev/shm"} <= mounts  # read-only root: scratch space and snapshots
 
 
-def test_the_image_runs_remesh_as_a_non_root_user_without_build_tools() -> None:
+def test_the_images_run_remesh_as_a_non_root_user_without_build_tools() -> None:
     text = (ROOT / "deploy" / "Dockerfile").read_text()
-    stages = re.split(r"^FROM ", text, flags=re.MULTILINE)[1:]
-    assert len(stages) == 2, "a builder stage and a runtime stage"
-    runtime = stages[-1]
-    assert "COPY --from=builder /opt/venv /opt/venv" in runtime
-    user = re.findall(r"^USER (\S+)", runtime, flags=re.MULTILINE)
-    assert user and user[-1].split(":")[0] not in ("0", "root")
-    assert re.search(r'^ENTRYPOINT \[.*"remesh"\]', runtime, flags=re.MULTILINE)
-    for tool in ("build-essential", "gcc", "g++", "make "):
-        assert tool not in runtime, tool
+    stages = {
+        m.group(1): body
+        for m, body in zip(
+            re.finditer(r"^FROM \S+ AS (\S+)", text, flags=re.MULTILINE),
+            re.split(r"^FROM .*$", text, flags=re.MULTILINE)[1:],
+            strict=True,
+        )
+    }
+    assert list(stages)[-1] == "control", "the default image is the control plane's"
+    # The control plane's environment is a plain `pip install .`, checked to hold no JAX.
+    assert (
+        "pip install --no-compile . " in stages["build-control"] and "import jax" in stages["build-control"]
+    )
+    assert '".[trainer]"' in stages["build-trainer"]
+    for image, build in (("control", "build-control"), ("trainer", "build-trainer")):
+        runtime = stages["runtime"] + stages[image]
+        assert f"COPY --from={build} /opt/venv /opt/venv" in stages[image]
+        user = re.findall(r"^USER (\S+)", stages[image], flags=re.MULTILINE)
+        assert user and user[-1].split(":")[0] not in ("0", "root"), image
+        assert re.search(r'^ENTRYPOINT \[.*"remesh"\]', runtime, flags=re.MULTILINE)
+        for tool in ("build-essential", "gcc", "g++", "make "):
+            assert tool not in runtime, (image, tool)
+    assert "COPY examples" in stages["trainer"] and "examples" not in stages["control"]
     dockerignore = (ROOT / ".dockerignore").read_text().splitlines()
     assert dockerignore[dockerignore.index("**") :][:1] == ["**"]  # everything out, then allow-list
     lint = validate.lint_dockerfile()

@@ -190,3 +190,13 @@ def test_golden_log_replays_to_the_recorded_state() -> None:
     }
     topology_epochs = [e.epoch for e in log if e.topology is not None]
     assert topology_epochs == [1, 2]
+
+
+def test_fault_details_read_back_typed_from_the_strings_events_store() -> None:
+    from remesh.coordinator.model import FaultDetails
+
+    refused = FaultDetails("address_in_use", 4, 98, "JAX coordination port taken", address_refused=True)
+    assert refused.encode()["address_refused"] == "true"
+    assert FaultDetails.decode(refused.encode()) == refused
+    plain = FaultDetails("trainer_exited", 2, 1, "")
+    assert "address_refused" not in plain.encode() and FaultDetails.decode(plain.encode()) == plain

@@ -164,6 +164,11 @@ def test_tls_with_a_ca_file_verifies_the_server(
     with pytest.raises(StoreUnavailable) as refused:
         asyncio.run(_write_and_read(RedisConnection(url, ca_file=str(certs / "other.crt")), job_id))
     assert "certificate verify failed" in str(refused.value)
+    # So is one the right CA signed for another name (127.0.0.1, reached here as localhost).
+    elsewhere = f"rediss://localhost:{port}/0"
+    with pytest.raises(StoreUnavailable) as refused:
+        asyncio.run(_write_and_read(RedisConnection(elsewhere, ca_file=str(certs / "ca.crt")), job_id))
+    assert "hostname" in str(refused.value).lower() or "match" in str(refused.value).lower(), refused.value
 
 
 def test_connection_settings_pick_the_client_and_never_show_the_password() -> None:
@@ -176,6 +181,7 @@ def test_connection_settings_pick_the_client_and_never_show_the_password() -> No
     kwargs = tls.client_kwargs(2.0)
     assert kwargs["username"] == "u" and kwargs["password"] == "p"
     assert kwargs["ssl_ca_certs"] == "/ca.pem" and kwargs["ssl_cert_reqs"] == "required"
+    assert kwargs["ssl_check_hostname"] is True
     assert kwargs["socket_timeout"] == 2.0
     assert type(tls.connect()).__name__ == "RedisCluster"
     assert type(plain.connect()).__name__ == "Redis"

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from remesh.cli import _agent, _coordinator, _demo, _ops
-from remesh.cli._logging import configure_logging
+from remesh.cli.logs import configure_logging
 
 __all__ = ["main"]
 
@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    configure_logging(json=args.log_json, level=args.log_level)
+    configure_logging(json=args.log_json, level=args.log_level, background=args.command == "agent")
     try:
         return int(args.run(args) or 0)
     except KeyboardInterrupt:

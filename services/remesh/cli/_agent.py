@@ -56,7 +56,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--trainer-nice",
         type=int,
-        default=5,
+        default=10,  # AgentSettings.trainer_nice
         help="niceness added to the trainer, so the agent's heartbeats go first on a busy CPU (0: none)",
     )
     p.add_argument("--local-listen", default="127.0.0.1:0", help="address of the local API for the trainer")

@@ -14,17 +14,15 @@ gRPC errors are translated to that line in one place, ``_describe_rpc_error``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import enum
 import json
 import os
 import re
+import signal
 import sys
 import textwrap
+import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from datetime import datetime
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
@@ -32,47 +30,31 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from remesh.cli.replay_check import compare
+from remesh.cli.views import (
+    enum_name,
+    event_dict,
+    event_line,
+    member_dict,
+    members_table,
+    parse_since,
+    print_topology,
+    state_text,
+    topology_dict,
+)
 from remesh.coordinator import convert
-from remesh.coordinator.model import ClusterState, EventType, Member, MemberState, Topology, replay
+from remesh.coordinator.model import EventType, MemberState, replay
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
 
-__all__ = ["Difference", "add_parsers", "compare", "format_age", "parse_since"]
+__all__ = ["add_parsers"]
 
 _DEFAULT_ADDRESS = "127.0.0.1:50051"
 # Long enough for a coordinator under load, short enough that a wrong address fails while you wait.
 _DEFAULT_TIMEOUT_S = 10.0
 _EVENT_ID = re.compile(r"^\d+(-\d+)?$")
-_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([smhdw])", re.IGNORECASE)
-_DURATIONS = re.compile(rf"(?:\s*{_DURATION.pattern})+\s*", re.IGNORECASE)
-_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 # A replay whose log grew while the live state was read is compared again, this many times.
 _REPLAY_ATTEMPTS = 3
-
-_STATE_STYLE = {
-    "joining": "cyan",
-    "alive": "green",
-    "suspect": "yellow",
-    "dead": "bold red",
-    "left": "dim",
-    "draining": "magenta",
-}
-_EVENT_STYLE = {
-    "member_joined": "cyan",
-    "member_rejoined": "cyan",
-    "member_alive": "green",
-    "member_suspect": "yellow",
-    "member_dead": "bold red",
-    "member_left": "dim",
-    "member_draining": "magenta",
-    "fault_reported": "red",
-    "topology_changed": "bold blue",
-    "epoch_live": "blue",
-    "job_waiting": "yellow",
-    "job_halted": "bold red",
-    "checkpoint_committed": "green",
-    "job_finished": "bold green",
-}
 
 _HINTS: dict[grpc.StatusCode, str] = {
     grpc.StatusCode.UNAVAILABLE: (
@@ -90,171 +72,6 @@ _HINTS: dict[grpc.StatusCode, str] = {
     grpc.StatusCode.ABORTED: "the state changed while the coordinator worked on it; run the command again",
     grpc.StatusCode.UNIMPLEMENTED: "is {address} a remesh coordinator of a compatible version?",
 }
-
-
-# ---- pure helpers ---------------------------------------------------------------------------------
-
-
-def parse_since(text: str, now: float) -> float:
-    """``--since``: a duration back from ``now`` ("30s", "10m", "1h30m", "2d"), a Unix time
-    ("1733150000"), or an ISO 8601 time ("2024-12-02T14:00:00", local time unless it has an offset).
-    """
-    value = text.strip()
-    if not value:
-        raise ValueError("empty --since: give a duration such as 10m or a Unix time")
-    if _DURATIONS.fullmatch(value):
-        seconds = sum(float(n) * _UNIT_S[u.lower()] for n, u in _DURATION.findall(value))
-        return max(0.0, now - seconds)
-    try:
-        stamp = float(value)
-    except ValueError:
-        pass
-    else:
-        if stamp < 0:
-            raise ValueError(f"--since {text!r} is negative")
-        return stamp
-    try:
-        return datetime.fromisoformat(value).timestamp()
-    except ValueError:
-        raise ValueError(
-            f"--since {text!r} is neither a duration (30s, 10m, 1h, 2d), a Unix time nor an ISO 8601 time"
-        ) from None
-
-
-def format_age(seconds_ago: float) -> str:
-    """A short, human age: "4s ago", "12m ago", "3h ago", "2d ago"."""
-    if seconds_ago < 0:
-        return "in the future"
-    if seconds_ago < 1:
-        return "just now"
-    for limit, unit, size in ((60, "s", 1), (3600, "m", 60), (86400, "h", 3600)):
-        if seconds_ago < limit:
-            return f"{int(seconds_ago // size)}{unit} ago"
-    return f"{int(seconds_ago // 86400)}d ago"
-
-
-def format_time(stamp: float) -> str:
-    """Local wall-clock time with milliseconds, sortable."""
-    return datetime.fromtimestamp(stamp).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
-
-
-def _plain(value: Any) -> Any:
-    """A JSON-able copy of a model value (dataclasses, tuples, enums)."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, tuple | list):
-        return [_plain(v) for v in value]
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    return value
-
-
-@dataclass(frozen=True)
-class Difference:
-    """One place where the replayed event log and the coordinator's live state disagree."""
-
-    subject: str  # "member HOST" or "topology"
-    field: str  # a field name, or "record" when one side has no record at all
-    replayed: Any
-    live: Any
-
-    def __str__(self) -> str:
-        return f"{self.subject}: {self.field}: replayed {json.dumps(self.replayed)}, live {json.dumps(self.live)}"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"subject": self.subject, "field": self.field, "replayed": self.replayed, "live": self.live}
-
-
-def _record_summary(record: Member | Topology | None) -> Any:
-    if record is None:
-        return None
-    if isinstance(record, Member):
-        return f"{record.state.value}, incarnation {record.incarnation}"
-    return f"epoch {record.epoch}"
-
-
-def _field_differences(subject: str, replayed: Any, live: Any) -> list[Difference]:
-    if replayed is None or live is None:
-        if replayed is live:
-            return []
-        return [Difference(subject, "record", _record_summary(replayed), _record_summary(live))]
-    return [
-        Difference(subject, f.name, _plain(getattr(replayed, f.name)), _plain(getattr(live, f.name)))
-        for f in dataclasses.fields(replayed)
-        if getattr(replayed, f.name) != getattr(live, f.name)
-    ]
-
-
-def compare(
-    replayed: ClusterState, members: Mapping[str, Member], topology: Topology | None
-) -> list[Difference]:
-    """Every difference between the state folded from the log and the live members and topology."""
-    differences: list[Difference] = []
-    for host in sorted(set(replayed.members) | set(members)):
-        differences += _field_differences(f"member {host}", replayed.members.get(host), members.get(host))
-    differences += _field_differences("topology", replayed.topology, topology)
-    return differences
-
-
-def _enum_name(enum_type: Any, value: int, prefix: str) -> str:
-    """``MEMBER_STATE_ALIVE`` -> ``alive``; a number this CLI does not know stays a number."""
-    try:
-        return str(enum_type.Name(value)).removeprefix(prefix).lower()
-    except ValueError:
-        return str(value)
-
-
-def _member_dict(msg: pb.Member, *, with_step: bool = True) -> dict[str, Any]:
-    d: dict[str, Any] = {
-        "host_id": msg.host_id,
-        "incarnation": msg.incarnation,
-        "role": _enum_name(pb.Role, msg.role, "ROLE_"),
-        "state": _enum_name(pb.MemberState, msg.state, "MEMBER_STATE_"),
-        "device_count": msg.device_count,
-        "address": msg.address,
-        "rank": msg.rank,
-        "reason": msg.reason,
-        "updated_at": msg.updated_at,
-    }
-    if with_step:
-        d["last_step"] = msg.last_step
-    return d
-
-
-def _topology_dict(msg: pb.Topology) -> dict[str, Any]:
-    return {
-        "epoch": msg.epoch,
-        "world_size": len(msg.members),
-        "mesh_shape": list(msg.mesh_shape),
-        "jax_coordinator_address": msg.jax_coordinator_address,
-        "restore_step": msg.restore_step,
-        "reason": msg.reason,
-        "created_at": msg.created_at,
-        "halted": msg.halted,
-        "job_id": msg.job_id,
-        "commits": [{"step": c.step, "epoch": c.epoch} for c in msg.commits],
-        "members": [
-            {"host_id": m.host_id, "rank": m.rank, "device_count": m.device_count, "address": m.address}
-            for m in msg.members
-        ],
-    }
-
-
-def event_dict(msg: pb.Event) -> dict[str, Any]:
-    return {
-        "id": msg.id,
-        "type": _enum_name(pb.EventType, msg.type, "EVENT_TYPE_"),
-        "time": msg.time,
-        "host_id": msg.host_id,
-        "incarnation": msg.incarnation,
-        "epoch": msg.epoch,
-        "reason": msg.reason,
-        "details": dict(msg.details),
-        "member": _member_dict(msg.member, with_step=False) if msg.HasField("member") else None,
-        "topology": _topology_dict(msg.topology) if msg.HasField("topology") else None,
-    }
 
 
 def _describe_rpc_error(exc: grpc.RpcError, address: str) -> str:
@@ -293,86 +110,6 @@ def _emit_json(doc: Any) -> None:
     sys.stdout.flush()
 
 
-def _state_text(state: str) -> Text:
-    return Text(state, style=_STATE_STYLE.get(state, ""))
-
-
-def _dash(value: int) -> str:
-    return "-" if value < 0 else str(value)
-
-
-def _members_table(members: Sequence[pb.Member], epoch: int, now: float) -> Table:
-    table = Table(title=f"{len(members)} member(s), epoch {epoch}", title_justify="left", expand=False)
-    for name, justify in (
-        ("host", "left"),
-        ("rank", "right"),
-        ("role", "left"),
-        ("state", "left"),
-        ("incarnation", "right"),
-        ("devices", "right"),
-        ("last step", "right"),
-        ("reason", "left"),
-        ("updated", "right"),
-    ):
-        table.add_column(name, justify=justify, overflow="fold")  # type: ignore[arg-type]
-    for m in members:
-        table.add_row(
-            m.host_id,
-            _dash(m.rank),
-            _enum_name(pb.Role, m.role, "ROLE_"),
-            _state_text(_enum_name(pb.MemberState, m.state, "MEMBER_STATE_")),
-            str(m.incarnation),
-            str(m.device_count),
-            _dash(m.last_step),
-            m.reason,
-            format_age(now - m.updated_at) if m.updated_at else "-",
-        )
-    return table
-
-
-def _print_topology(console: Console, msg: pb.Topology, now: float) -> None:
-    if msg.epoch == 0:
-        console.print(Text(f"epoch 0: {msg.reason or 'no topology yet'}", style="yellow"))
-        return
-    head = Text(f"epoch {msg.epoch}", style="bold")
-    if msg.halted:
-        head.append("  HALTED", style="bold red")
-    console.print(head)
-    mesh = " x ".join(str(n) for n in msg.mesh_shape) or "-"
-    restore = "from scratch" if msg.restore_step < 0 else f"step {msg.restore_step}"
-    info = Table.grid(padding=(0, 2))
-    info.add_column(style="dim")
-    info.add_column()
-    info.add_row("world size", str(len(msg.members)))
-    info.add_row("mesh shape", mesh)
-    info.add_row("jax coordinator", msg.jax_coordinator_address or "-")
-    info.add_row("restore", restore)
-    info.add_row("reason", msg.reason)
-    info.add_row("created", f"{format_time(msg.created_at)} ({format_age(now - msg.created_at)})")
-    if msg.job_id:
-        info.add_row("job", msg.job_id)
-    console.print(info)
-    if msg.members:
-        ranks = Table(expand=False)
-        ranks.add_column("rank", justify="right")
-        ranks.add_column("host")
-        ranks.add_column("devices", justify="right")
-        ranks.add_column("address")
-        for m in msg.members:
-            ranks.add_row(str(m.rank), m.host_id, str(m.device_count), m.address or "-")
-        console.print(ranks)
-
-
-def _event_line(msg: pb.Event) -> Text:
-    kind = _enum_name(pb.EventType, msg.type, "EVENT_TYPE_")
-    line = Text(format_time(msg.time), style="dim")
-    line.append("  ")
-    line.append(f"{kind:<16}", style=_EVENT_STYLE.get(kind, ""))
-    line.append(f"  {msg.host_id or '-':<16}  epoch {msg.epoch:<4}  ")
-    line.append(msg.reason)
-    return line
-
-
 # ---- commands -------------------------------------------------------------------------------------
 
 
@@ -381,21 +118,42 @@ def _stub(channel: grpc.Channel) -> Any:
 
 
 def _follow(stream: Any, each: Callable[[Any], None]) -> None:
-    """Hand each message of a server stream to ``each`` until the stream ends or Ctrl-C ends it."""
+    """Hand each message of a server stream to ``each`` until the stream ends or Ctrl-C ends it.
+
+    Ctrl-C cancels the call from a signal handler, and the stream then ends as cancelled: raised as
+    KeyboardInterrupt inside gRPC's wait instead, it could leave the process hanging at exit (seen once
+    in CI: ``events --follow`` still running 10 s after SIGINT).
+    """
+    interrupted = False
+
+    def cancel(signum: int, frame: object) -> None:
+        nonlocal interrupted
+        interrupted = True
+        stream.cancel()
+
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGINT, cancel)
     try:
         for msg in stream:
             each(msg)
-    except KeyboardInterrupt:
+    except grpc.RpcError as exc:
+        if not (interrupted and exc.code() == grpc.StatusCode.CANCELLED):
+            raise
+    except KeyboardInterrupt:  # where no handler could be installed (not the main thread)
         stream.cancel()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 def _members(args: argparse.Namespace, channel: grpc.Channel) -> int:
     states = [getattr(pb, f"MEMBER_STATE_{s.upper()}") for s in args.state or ()]
     reply = _stub(channel).ListMembers(pb.ListMembersRequest(states=states), timeout=args.timeout)
     if args.json:
-        _emit_json({"epoch": reply.epoch, "members": [_member_dict(m) for m in reply.members]})
+        _emit_json({"epoch": reply.epoch, "members": [member_dict(m) for m in reply.members]})
         return 0
-    _console().print(_members_table(reply.members, reply.epoch, time.time()))
+    _console().print(members_table(reply.members, reply.epoch, time.time()))
     return 0
 
 
@@ -404,17 +162,17 @@ def _topology(args: argparse.Namespace, channel: grpc.Channel) -> int:
     if not args.watch:
         msg = stub.GetTopology(pb.GetTopologyRequest(), timeout=args.timeout)
         if args.json:
-            _emit_json(_topology_dict(msg))
+            _emit_json(topology_dict(msg))
         else:
-            _print_topology(_console(), msg, time.time())
+            print_topology(_console(), msg, time.time())
         return 0
     console = _console()
 
     def show(msg: pb.Topology) -> None:
         if args.json:
-            _emit_json(_topology_dict(msg))
+            _emit_json(topology_dict(msg))
         else:
-            _print_topology(console, msg, time.time())
+            print_topology(console, msg, time.time())
             console.print()
 
     _follow(stub.WatchTopology(pb.WatchTopologyRequest(after_epoch=0)), show)
@@ -439,7 +197,7 @@ def _events(args: argparse.Namespace, channel: grpc.Channel) -> int:
         if args.json:
             _emit_json(event_dict(msg))
         else:
-            console.print(_event_line(msg), soft_wrap=True)
+            console.print(event_line(msg), soft_wrap=True)
             sys.stdout.flush()
 
     _follow(stream, show)
@@ -519,12 +277,12 @@ def _replay(args: argparse.Namespace, channel: grpc.Channel) -> int:
 def _drain(args: argparse.Namespace, channel: grpc.Channel) -> int:
     reply = _stub(channel).Drain(pb.DrainRequest(host_id=args.host, reason=args.reason), timeout=args.timeout)
     if args.json:
-        _emit_json(_member_dict(reply.member))
+        _emit_json(member_dict(reply.member))
         return 0
     m = reply.member
-    state = _enum_name(pb.MemberState, m.state, "MEMBER_STATE_")
+    state = enum_name(pb.MemberState, m.state, "MEMBER_STATE_")
     line = Text(f"{m.host_id} is ")
-    line.append(_state_text(state))
+    line.append(state_text(state))
     line.append(f": {m.reason}")
     console = _console()
     console.print(line)

@@ -22,10 +22,10 @@ from dataclasses import dataclass, replace
 
 from remesh.coordinator.errors import InvalidRequest, JobFinished, NotFound, Rejected
 from remesh.coordinator.model import (
-    ADDRESS_REFUSED,
     ClusterState,
     Event,
     EventType,
+    FaultDetails,
     Member,
     MemberState,
     Role,
@@ -275,7 +275,7 @@ def report_fault(
         raise InvalidRequest(f"epoch {epoch} is negative")
     if epoch > state.epoch:
         raise InvalidRequest(f"epoch {epoch} was never published (current {state.epoch})")
-    details = {"kind": kind.value, "epoch": str(epoch), "exit_code": str(exit_code), "detail": detail}
+    details = FaultDetails(kind.value, epoch, exit_code, detail)
     topology = state.topology
     in_topology = topology is not None and host_id in topology.host_ids
     rank0 = topology.host_ids[0] if topology is not None and topology.host_ids else None
@@ -324,7 +324,7 @@ def report_fault(
                 f"address_in_use: {topology.jax_coordinator_address} of epoch {epoch} is taken on "
                 f"{host_id}; the same members move to a new address"
             )
-            details[ADDRESS_REFUSED] = "true"
+            details = replace(details, address_refused=True)
         else:
             reason = (
                 f"address_in_use for epoch {epoch} from {host_id}: not rank 0 of the current epoch, ignored"
@@ -356,7 +356,7 @@ def report_fault(
 
 
 def _fault_event(
-    now: float, state: ClusterState, host_id: str, incarnation: int, reason: str, details: Mapping[str, str]
+    now: float, state: ClusterState, host_id: str, incarnation: int, reason: str, details: FaultDetails
 ) -> Event:
     return Event(
         EventType.FAULT_REPORTED,
@@ -365,7 +365,7 @@ def _fault_event(
         reason,
         host_id=host_id,
         incarnation=incarnation,
-        details=dict(details),
+        details=details.encode(),
     )
 
 

@@ -19,6 +19,7 @@ __all__ = [
     "ClusterState",
     "Event",
     "EventType",
+    "FaultDetails",
     "Member",
     "MemberState",
     "Role",
@@ -50,6 +51,42 @@ class MemberState(enum.StrEnum):
 
 # Detail of a FAULT_REPORTED event: the epoch's JAX coordination address was taken ("true").
 ADDRESS_REFUSED = "address_refused"
+
+
+@dataclass(frozen=True)
+class FaultDetails:
+    """What a FAULT_REPORTED event records beside its reason, typed. Stored as the event's string
+    details (``encode``); ``decode`` reads them back, from this version's events or older ones."""
+
+    kind: str
+    epoch: int
+    exit_code: int
+    detail: str
+    # The report refused the epoch's JAX coordination address: the same members move to a new one.
+    address_refused: bool = False
+
+    def encode(self) -> dict[str, str]:
+        details = {
+            "kind": self.kind,
+            "epoch": str(self.epoch),
+            "exit_code": str(self.exit_code),
+            "detail": self.detail,
+        }
+        if self.address_refused:
+            details[ADDRESS_REFUSED] = "true"
+        return details
+
+    @classmethod
+    def decode(cls, details: Mapping[str, str]) -> FaultDetails:
+        return cls(
+            kind=details.get("kind", ""),
+            epoch=int(details.get("epoch", "0")),
+            exit_code=int(details.get("exit_code", "0")),
+            detail=details.get("detail", ""),
+            address_refused=details.get(ADDRESS_REFUSED) == "true",
+        )
+
+
 # Accepted checkpoint commits a topology carries (see ``Topology.commits``): enough for any restore
 # step a new epoch names (the newest step its survivors all reached), a bounded record at any size.
 COMMITS_KEPT = 8
@@ -243,8 +280,11 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
         return replace(state, members=members, acks={**state.acks, event.host_id: event.epoch})
     if event.type is EventType.EPOCH_LIVE:
         return replace(state, members=members, live_epoch=event.epoch)
-    if event.type is EventType.FAULT_REPORTED and event.details.get(ADDRESS_REFUSED) == "true":
-        return replace(state, members=members, address_refused_epoch=int(event.details["epoch"]))
+    if (
+        event.type is EventType.FAULT_REPORTED
+        and (fault := FaultDetails.decode(event.details)).address_refused
+    ):
+        return replace(state, members=members, address_refused_epoch=fault.epoch)
     step = _step_of(event)
     if event.type is EventType.CHECKPOINT_COMMITTED and step is not None:
         commits = tuple(sorted({*state.commits, (step, event.epoch)}, reverse=True))[:COMMITS_KEPT]

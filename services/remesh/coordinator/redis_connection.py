@@ -82,9 +82,13 @@ class RedisConnection:
             kwargs["username"] = self.username
         if self.password is not None:
             kwargs["password"] = self.password
+        if self.tls:
+            # Verified, and for the host the URL names, whatever the redis library's defaults (their
+            # hostname check was off before redis-py 6).
+            kwargs["ssl_cert_reqs"] = "required"
+            kwargs["ssl_check_hostname"] = True
         if self.ca_file:
             kwargs["ssl_ca_certs"] = self.ca_file
-            kwargs["ssl_cert_reqs"] = "required"
         return kwargs
 
     def connect(self, socket_timeout: float = 1.0, connect_timeout: float | None = None) -> RedisClient:

@@ -42,6 +42,7 @@ from remesh.coordinator.settings import Settings
 from remesh.coordinator.store import RedisStore
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
+from remesh.v1.contract import FINISHED_METADATA, LEADER_METADATA
 
 __all__ = ["FINISHED_METADATA", "LEADER_METADATA", "RunningCoordinator", "listen_host", "serve"]
 
@@ -57,10 +58,6 @@ _STATUS: list[tuple[type[CoordinatorError], grpc.StatusCode]] = [
     (Conflict, grpc.StatusCode.ABORTED),
     (NotLeader, grpc.StatusCode.UNAVAILABLE),
 ]
-# Trailing metadata of a follower's refusal: where the leader serves ("" while none is known).
-LEADER_METADATA = "remesh-leader"
-# Trailing metadata of a refusal because the job finished: its last step (an agent then exits 0).
-FINISHED_METADATA = "remesh-finished"
 _COMMANDS = {
     "reregister": pb.COMMAND_REREGISTER,
     "drain": pb.COMMAND_DRAIN,

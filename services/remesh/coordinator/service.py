@@ -5,11 +5,9 @@ watchers), and funnels every state change through ``_change``: observe the curre
 transition and the planner, commit all events in one atomic Redis step, then publish. The gRPC layer
 (``server.py``) only translates requests into calls on this class.
 
-With several replicas (``settings.ha.enabled``) exactly one leads: the one holding the Redis lease.
-It renews the lease at a third of its TTL and writes with its fencing token, so a deposed leader's
-writes are refused by Redis (it then steps down). A follower keeps polling for the lease, mirrors
-the stored state for reads and topology watches, and answers every write with ``NotLeader`` naming
-the leader. A replica that takes over grants every member a fresh deadline before judging anyone.
+With several replicas exactly one leads (``remesh.coordinator.leadership``). A follower mirrors the
+stored state for reads and topology watches and answers every write with ``NotLeader`` naming the
+leader. A replica that takes over grants every member a fresh deadline before judging anyone.
 """
 
 from __future__ import annotations
@@ -20,6 +18,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import structlog
 
@@ -33,6 +32,7 @@ from remesh.coordinator.errors import (
     Rejected,
     StoreUnavailable,
 )
+from remesh.coordinator.leadership import Leadership
 from remesh.coordinator.metrics import Metrics
 from remesh.coordinator.model import (
     ClusterState,
@@ -51,6 +51,8 @@ from remesh.coordinator.store import RedisStore
 __all__ = ["AgentStream", "Coordinator"]
 
 log = structlog.get_logger("remesh.coordinator")
+
+T = TypeVar("T")
 
 Clock = Callable[[], float]
 
@@ -106,18 +108,29 @@ class Coordinator:
         self._store_down = False
         self._plan_log = _ChangeLogger()
         self._store_log = _ChangeLogger()
-        # Leadership: a single replica always leads; one of several leads while it holds the lease.
-        self.leading = not settings.ha.enabled
-        self.advertise = settings.ha.advertise
-        self.leader_address = ""
-        self._renewed_at = 0.0
-        if settings.ha.enabled:
-            self.store.fencing_token = 0  # never issued: a replica that never led can write nothing
+        # A single replica always leads; one of several leads while it holds the lease.
+        self.leadership = Leadership(
+            settings.ha,
+            store,
+            self.metrics,
+            take_over=self._take_over,
+            step_down=self._step_down,
+            follow=self._mirror,
+            on_store_error=self._lease_store_error,
+        )
+
+    @property
+    def leading(self) -> bool:
+        return self.leadership.leading
+
+    @property
+    def advertise(self) -> str:
+        return self.leadership.advertise
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
     async def start(self, advertise: str = "") -> None:
-        self.advertise = self.advertise or advertise
+        self.leadership.advertise = self.leadership.advertise or advertise
         self.state, self._rev = await self.store.load()
         self._steps = await self.store.read_progress()
         self._grant_all(self._clock())
@@ -134,9 +147,7 @@ class Coordinator:
             asyncio.create_task(self._progress_loop(), name="progress"),
         ]
         if self.settings.ha.enabled:
-            self.metrics.leader.set(0)
-            log.info("role", role="follower", address=self.advertise, reason="started; looking for the lease")
-            self._tasks.append(asyncio.create_task(self._lease_loop(), name="lease"))
+            self._tasks.append(asyncio.create_task(self.leadership.run(), name="lease"))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -156,43 +167,11 @@ class Coordinator:
     # ---- leadership (several replicas) -----------------------------------------------------------
 
     def not_leader(self, detail: str = "") -> NotLeader:
-        leader = self.leader_address if self.leader_address != self.advertise else ""
-        where = f"the leader is at {leader}" if leader else "no leader is known yet; retry shortly"
-        return NotLeader(
-            f"this coordinator ({self.advertise}) is a follower: {where}"
-            + (f" ({detail})" if detail else ""),
-            leader,
-        )
+        return self.leadership.not_leader(detail)
 
-    async def _lease_loop(self) -> None:
-        ha = self.settings.ha
-        while True:
-            try:
-                if self.leading:
-                    await self._renew()
-                else:
-                    token, holder = await self.store.acquire_lease(self.advertise, ha.lease_ttl_s)
-                    if token:
-                        await self._take_over(token)
-                    else:
-                        if holder != self.leader_address:
-                            log.info("leader", leader=holder or None)
-                        self.leader_address = holder
-                        await self._mirror()
-            except StoreUnavailable as exc:
-                self.metrics.store_errors.inc()
-                self._store_log("store unavailable; cannot renew or take the lease", error=str(exc))
-                if self.leading and time.monotonic() - self._renewed_at > ha.lease_ttl_s:
-                    self._step_down(f"could not renew the lease for {ha.lease_ttl_s}s: {exc}")
-            # A follower polls twice as often as the leader renews: it notices an expired lease soon.
-            await asyncio.sleep(ha.renew_every_s if self.leading else ha.renew_every_s / 2)
-
-    async def _renew(self) -> None:
-        token = self.store.fencing_token or 0
-        if await self.store.renew_lease(token, self.settings.ha.lease_ttl_s):
-            self._renewed_at = time.monotonic()
-        else:
-            self._step_down(f"lease lost: token {token} no longer holds it (another replica took over)")
+    def _lease_store_error(self, exc: StoreUnavailable) -> None:
+        self.metrics.store_errors.inc()
+        self._store_log("store unavailable; cannot renew or take the lease", error=str(exc))
 
     async def _take_over(self, token: int) -> None:
         """Lead from the stored state, granting every member a fresh deadline before judging anyone."""
@@ -207,12 +186,7 @@ class Coordinator:
                 raise
             self._grant_all(self._clock())
             self._dirty_steps = {}
-            self._renewed_at = time.monotonic()
-            self.leading = True
-            self.leader_address = self.advertise
-        self.metrics.leader.set(1)
-        self.metrics.fencing_token.set(token)
-        self.metrics.role_changes.inc()
+            self.leadership.led(token)
         self._update_gauges()
         log.info(
             "role",
@@ -228,15 +202,10 @@ class Coordinator:
             self._topology_changed.notify_all()
 
     def _step_down(self, reason: str) -> None:
-        if not self.leading:
+        if not self.leadership.stepped_down(reason):
             return
-        self.leading = False
-        self.leader_address = ""
         self._liveness = {}
         self._dirty_steps = {}
-        self.metrics.leader.set(0)
-        self.metrics.role_changes.inc()
-        log.warning("role", role="follower", address=self.advertise, reason=reason)
         # Agents streaming to this replica must find the new leader.
         for stream in self._streams.values():
             stream.commands.put_nowait(("not_leader", reason))
@@ -270,6 +239,14 @@ class Coordinator:
 
     async def _change(self, transition: Callable[[ClusterState, float], list[Event]]) -> list[Event]:
         """Run ``transition`` on the current state, plan, and commit the events in one atomic step."""
+        stored, _ = await self._change_with(lambda s, now: (transition(s, now), None))
+        return stored
+
+    async def _change_with(
+        self, transition: Callable[[ClusterState, float], tuple[list[Event], T]]
+    ) -> tuple[list[Event], T]:
+        """``_change`` for a transition that also answers the caller: the events committed, and what
+        the transition returned beside its events (from its last run: a conflict runs it again)."""
         if not self.leading:
             raise self.not_leader()
         async with self._lock:
@@ -277,7 +254,7 @@ class Coordinator:
                 if not self.leading:
                     raise self.not_leader()
                 now = self._clock()
-                events = transition(self.state, now)
+                events, answer = transition(self.state, now)
                 after = replay(events, self.state)
                 decision = plan(now, after, self._steps, self.settings.planner)
                 self._plan_log(
@@ -287,7 +264,7 @@ class Coordinator:
                     now, after, decision, self.settings.planner, self.settings.job_id
                 )
                 if not events:
-                    return []
+                    return [], answer
                 try:
                     self.state, stored = await self.store.commit(self._rev, self.state, events)
                 except Conflict:
@@ -304,7 +281,7 @@ class Coordinator:
                     raise
                 self._rev += 1
                 await self._published(stored, now)
-                return stored
+                return stored, answer
             raise Conflict("the store kept changing under the coordinator; retry")
 
     async def _published(self, events: list[Event], now: float) -> None:
@@ -431,15 +408,11 @@ class Coordinator:
         return self.settings.max_id_length
 
     async def register(self, host_id: str, role: Role, device_count: int, address: str) -> Member:
-        result: list[Member] = []
+        def transition(s: ClusterState, now: float) -> tuple[list[Event], Member]:
+            return membership.register(now, s, host_id, role, device_count, address, self._max_id)
 
-        def transition(s: ClusterState, now: float) -> list[Event]:
-            events, member = membership.register(now, s, host_id, role, device_count, address, self._max_id)
-            result[:] = [member]
-            return events
-
-        await self._change(transition)
-        return self.state.members.get(host_id, result[0])
+        _, member = await self._change_with(transition)
+        return self.state.members.get(host_id, member)
 
     async def heartbeat(self, host_id: str, incarnation: int, step: int, trainer_idle: bool = False) -> None:
         """Hot path: in memory unless the member changes state (joining or suspect -> alive)."""
@@ -506,7 +479,6 @@ class Coordinator:
         exit_code: int,
         detail: str,
     ) -> membership.FaultOutcome:
-        outcome: list[membership.FaultOutcome] = []
         stall = self._stalls.get(host_id)
         blocked_since = (
             stall.at
@@ -514,19 +486,19 @@ class Coordinator:
             else None
         )
 
-        def transition(s: ClusterState, now: float) -> list[Event]:
+        def transition(s: ClusterState, now: float) -> tuple[list[Event], membership.FaultOutcome]:
             result = membership.report_fault(
                 now, s, host_id, incarnation, kind, epoch, exit_code, detail, self._max_id, blocked_since
             )
-            outcome[:] = [result]
             if result.halt is None:
-                return result.events
-            return result.events + plan_events(
+                return result.events, result
+            halt = plan_events(
                 now, s, Decision(Kind.HALT, result.halt), self.settings.planner, self.settings.job_id
             )
+            return result.events + halt, result
 
-        await self._change(transition)
-        return outcome[0]
+        _, outcome = await self._change_with(transition)
+        return outcome
 
     async def ack_epoch(
         self,
@@ -538,10 +510,8 @@ class Coordinator:
         phases: Mapping[str, float],
         restored_bytes: Mapping[str, int] | None = None,
     ) -> bool:
-        live: list[bool] = []
-
-        def transition(s: ClusterState, now: float) -> list[Event]:
-            events, is_live = membership.ack_epoch(
+        def transition(s: ClusterState, now: float) -> tuple[list[Event], bool]:
+            return membership.ack_epoch(
                 now,
                 s,
                 host_id,
@@ -553,11 +523,9 @@ class Coordinator:
                 self._max_id,
                 restored_bytes=restored_bytes,
             )
-            live[:] = [is_live]
-            return events
 
-        await self._change(transition)
-        return live[0]
+        _, live = await self._change_with(transition)
+        return live
 
     async def commit_checkpoint(
         self, host_id: str, incarnation: int, epoch: int, step: int, tier: str

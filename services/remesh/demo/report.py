@@ -94,6 +94,9 @@ def _failure_report(
     before = [r for r in steps if r["t"] <= t_kill]
     step_at_kill = max((int(r["step"]) for r in before), default=0)
     out["step_at_failure"] = step_at_kill
+    if failure.get("finished_first"):
+        out["finished_first"] = True  # the job completed before any recovery was needed
+        return out
     dead = _first(events, type="member_dead", host_id=victim, after=t_kill)
     changed = _first(events, type="topology_changed", epoch=epoch) if epoch > 0 else None
     live = _first(events, type="epoch_live", epoch=epoch) if epoch > 0 else None

