@@ -4,16 +4,20 @@ window in which something must keep holding (``hold``, ``assert_no_events``)."""
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar, cast
+
+import grpc
 
 from remesh.embedded import cluster as _cluster
 from remesh.embedded.cluster import LocalCluster as Cluster
 from remesh.embedded.cluster import Proc
 from remesh.v1 import coordinator_pb2 as pb
+from remesh.v1 import coordinator_pb2_grpc as pb_grpc
 
-__all__ = ["Cluster", "Proc", "assert_no_events", "assert_quiet_takeover", "hold", "wait_for"]
+__all__ = ["Cluster", "GrpcHost", "Proc", "assert_no_events", "assert_quiet_takeover", "hold", "wait_for"]
 
 T = TypeVar("T")
 
@@ -78,3 +82,42 @@ def assert_quiet_takeover(
     members = cluster.members()
     assert {h: m.rank for h, m in members.items()} == {h: m.rank for h, m in before.items()}
     return events
+
+
+class GrpcHost:
+    """A host registered over gRPC that keeps heartbeating (as an agent would) until stopped."""
+
+    def __init__(self, channel: grpc.Channel, host_id: str, step: int) -> None:
+        self.host_id = host_id
+        stub = pb_grpc.CoordinatorStub(channel)
+        reply = stub.Register(
+            pb.RegisterRequest(host_id=host_id, device_count=2, address="127.0.0.1"), timeout=5
+        )
+        self.incarnation = reply.member.incarnation
+        self._step = step
+        self._stop = threading.Event()
+        self._call = stub.Heartbeat(self._beats())
+        self._thread = threading.Thread(target=self._drain_replies, daemon=True)
+        self._thread.start()
+
+    def _beats(self) -> Iterator[pb.HeartbeatRequest]:
+        while not self._stop.is_set():
+            yield pb.HeartbeatRequest(
+                host_id=self.host_id,
+                incarnation=self.incarnation,
+                step=self._step,
+                trainer_status=pb.TRAINER_STATUS_RUNNING,
+            )
+            self._stop.wait(0.03)
+
+    def _drain_replies(self) -> None:
+        try:
+            for _ in self._call:
+                pass
+        except grpc.RpcError:
+            pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._call.cancel()
+        self._thread.join(5)

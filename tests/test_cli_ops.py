@@ -41,8 +41,7 @@ from remesh.coordinator.model import (
 )
 from remesh.embedded import RedisServer
 from remesh.v1 import coordinator_pb2 as pb
-from remesh.v1 import coordinator_pb2_grpc as pb_grpc
-from tests.procs import Cluster, wait_for
+from tests.procs import Cluster, GrpcHost, wait_for
 
 # ---- pure parts -----------------------------------------------------------------------------------
 
@@ -196,46 +195,7 @@ def test_event_survives_the_proto_round_trip(event: Event) -> None:
 # ---- against a real coordinator --------------------------------------------------------------------
 
 
-class Host:
-    """A host registered over gRPC that keeps heartbeating (as an agent would) until stopped."""
-
-    def __init__(self, channel: grpc.Channel, host_id: str, step: int) -> None:
-        self.host_id = host_id
-        stub = pb_grpc.CoordinatorStub(channel)
-        reply = stub.Register(
-            pb.RegisterRequest(host_id=host_id, device_count=2, address="127.0.0.1"), timeout=5
-        )
-        self.incarnation = reply.member.incarnation
-        self._step = step
-        self._stop = threading.Event()
-        self._call = stub.Heartbeat(self._beats())
-        self._thread = threading.Thread(target=self._drain_replies, daemon=True)
-        self._thread.start()
-
-    def _beats(self) -> Iterator[pb.HeartbeatRequest]:
-        while not self._stop.is_set():
-            yield pb.HeartbeatRequest(
-                host_id=self.host_id,
-                incarnation=self.incarnation,
-                step=self._step,
-                trainer_status=pb.TRAINER_STATUS_RUNNING,
-            )
-            self._stop.wait(0.03)
-
-    def _drain_replies(self) -> None:
-        try:
-            for _ in self._call:
-                pass
-        except grpc.RpcError:
-            pass
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._call.cancel()
-        self._thread.join(5)
-
-
-def _form(cluster: Cluster, hosts: list[Host]) -> None:
+def _form(cluster: Cluster, hosts: list[GrpcHost]) -> None:
     cluster.wait_epoch(1, timeout=15)
     wait_for(
         lambda: all(m.state == pb.MEMBER_STATE_ALIVE for m in cluster.members().values()),
@@ -248,11 +208,11 @@ def _form(cluster: Cluster, hosts: list[Host]) -> None:
 def formed(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer) -> Iterator[Cluster]:
     """One coordinator (world size 2) with host-1 and host-2 alive in epoch 1, shared by the read-only tests."""
     cluster = Cluster(tmp_path_factory.mktemp("ops"), redis_server.url, f"test-ops-{uuid.uuid4().hex[:8]}")
-    hosts: list[Host] = []
+    hosts: list[GrpcHost] = []
     try:
         cluster.start_coordinator("--world-size", "2")
         channel = grpc.insecure_channel(cluster.address)
-        hosts = [Host(channel, "host-1", 41), Host(channel, "host-2", 42)]
+        hosts = [GrpcHost(channel, "host-1", 41), GrpcHost(channel, "host-2", 42)]
         _form(cluster, hosts)
         yield cluster
     finally:
@@ -430,7 +390,7 @@ def test_drain_is_seen_by_follow_and_replay_still_matches(
 ) -> None:
     cluster.start_coordinator("--world-size", "2")
     channel = grpc.insecure_channel(cluster.address)
-    hosts = [Host(channel, "host-1", 1), Host(channel, "host-2", 1)]
+    hosts = [GrpcHost(channel, "host-1", 1), GrpcHost(channel, "host-2", 1)]
     follower = subprocess.Popen(
         [sys.executable, "-m", "remesh.cli", "events", "--coordinator", cluster.address,
          "--follow", "--json", "--type", "member_draining", "topology_changed"],

@@ -21,7 +21,7 @@ from remesh.coordinator.settings import DetectorSettings
 from remesh.coordinator.store import RedisStore
 from remesh.embedded import RedisServer
 from remesh.v1 import coordinator_pb2 as pb
-from tests.procs import Cluster, Proc, assert_no_events, assert_quiet_takeover, hold, wait_for
+from tests.procs import Cluster, GrpcHost, Proc, assert_no_events, assert_quiet_takeover, hold, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -429,3 +429,46 @@ def test_a_relaunched_host_takes_no_rank_in_the_epoch_that_still_lists_it(cluste
     assert not [e for e in relaunched if e.type == pb.EVENT_TYPE_FAULT_REPORTED], relaunched
     for h in ACTIVE:
         assert "registered" in cluster.agents[h].output()
+
+
+def test_the_last_step_is_stored_before_the_job_is_said_finished(cluster: Cluster) -> None:
+    """The heartbeat carrying a member's last step races its Finish call: whoever reads
+    ``job_finished`` in the log finds that step in the store anyway, and it stays final."""
+    cluster.start_coordinator("--world-size", "2")
+    channel = grpc.insecure_channel(cluster.address)
+    hosts = [GrpcHost(channel, "host-1", 41), GrpcHost(channel, "host-2", 41)]
+    try:
+        cluster.wait_epoch(1, timeout=15)
+        epoch = cluster.topology().epoch
+        stub = cluster.stub()
+        for host in hosts:
+            stub.AckEpoch(pb.AckEpochRequest(host_id=host.host_id, incarnation=host.incarnation, epoch=epoch))
+        # host-1 heartbeats step 41 throughout: the Finish call alone says it completed step 50.
+        stub.Finish(
+            pb.FinishRequest(host_id="host-1", incarnation=hosts[0].incarnation, epoch=epoch, step=50),
+            timeout=5,
+        )
+        events, _ = read_store(cluster.redis_url, cluster.job)
+        assert [e.details["step"] for e in events if e.type is EventType.JOB_FINISHED] == ["50"]
+        assert stored_steps(cluster)["host-1"] == 50
+        # Past the coordinator's progress flush (every second), the beats of step 41 change nothing.
+        hold(2.5, lambda: _assert_equal(stored_steps(cluster)["host-1"], 50))
+    finally:
+        for host in hosts:
+            host.stop()
+        channel.close()
+
+
+def stored_steps(cluster: Cluster) -> dict[str, int]:
+    async def read() -> dict[str, int]:
+        store = RedisStore(cluster.redis_url, cluster.job)
+        try:
+            return await store.read_progress()
+        finally:
+            await store.close()
+
+    return asyncio.run(read())
+
+
+def _assert_equal(got: object, expected: object) -> None:
+    assert got == expected

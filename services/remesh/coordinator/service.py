@@ -430,7 +430,8 @@ class Coordinator:
             self._liveness[host_id] = replace(seen, last_seen=now)
         else:
             self._liveness[host_id] = Liveness(incarnation, last_seen=now)
-        if self._steps.get(host_id, -1) != step:
+        if self._steps.get(host_id, -1) != step and not self.state.finished:
+            # Once the job finished its steps are final (an exiting agent's last beats change nothing).
             # -1 comes from an agent whose trainer has reported nothing yet: a host that came back
             # (a new incarnation). Its old step is forgotten, else the next restore step (the oldest
             # step of the members) would send the job back to where that host left it.
@@ -543,6 +544,22 @@ class Coordinator:
             raise
 
     async def finish(self, host_id: str, incarnation: int, epoch: int, step: int) -> None:
+        """A member completed the job's last step. Its step is stored before the job is said finished:
+        the heartbeat that carried it may still be on its way (it races this call), and whoever reads
+        ``job_finished`` in the log must find the last step in the store too."""
+        if not self.leading:
+            raise self.not_leader()
+        membership.current_member(self.state, host_id, incarnation, self._max_id)
+        if not self.state.finished and epoch == self.state.epoch and step > self._steps.get(host_id, -1):
+            self._steps[host_id] = step
+            self._dirty_steps[host_id] = step
+            try:
+                await self._flush_progress()
+            except Fenced as exc:
+                self._step_down(str(exc))
+                raise self.not_leader(str(exc)) from exc
+            except StoreUnavailable:
+                self.metrics.store_errors.inc()  # the finish below fails the same way; the agent retries
         await self._change(
             lambda s, t: membership.finish(t, s, host_id, incarnation, epoch, step, self._max_id)
         )
