@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from remesh.v1 import coordinator_pb2 as pb
-from tests.procs import Cluster, wait_for
+from tests.procs import Cluster, hold, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -100,6 +100,27 @@ def test_heartbeats_of_stale_or_unknown_incarnations_are_told_to_register_and_ch
         assert [r.command for r in replies] == [pb.COMMAND_REREGISTER], (host, incarnation)
         assert replies[0].reason
     assert snapshot(running) == before
+
+
+def test_a_second_stream_for_a_host_opened_and_cancelled_never_makes_the_live_host_dead(
+    running: Cluster,
+) -> None:
+    """Anyone who knows a host's incarnation (GetMember tells it) can open a heartbeat stream as that
+    host; closing it must say nothing about the host while its agent's own stream carries its beats."""
+    before = snapshot(running)
+    inc = running.members()["host-1"].incarnation
+    for _ in range(3):
+        beats = running.stub().Heartbeat(
+            iter([pb.HeartbeatRequest(host_id="host-1", incarnation=inc)]), timeout=5
+        )
+        assert next(beats).HasField("topology")  # attached: the coordinator answered with the topology
+        beats.cancel()
+    # Well past the stream grace (0.1 s) and the heartbeat timeout: nobody was judged.
+    hold(3.0, lambda: _unchanged(running, before))
+
+
+def _unchanged(c: Cluster, before: tuple[object, ...]) -> None:
+    assert snapshot(c) == before
 
 
 def test_health_reflection_and_metrics_are_served(running: Cluster) -> None:

@@ -69,7 +69,7 @@ class _ChangeLogger:
             log.info(message, **kw)
 
 
-@dataclass
+@dataclass(eq=False)  # one stream is itself only: two of the same host are never equal
 class AgentStream:
     """One open heartbeat stream: commands for the agent are queued here."""
 
@@ -102,7 +102,10 @@ class Coordinator:
         # idle (no CPU time) in its last heartbeat: observations, like liveness.
         self._stalls: dict[str, Stall] = {}
         self._idle: set[str] = set()
-        self._streams: dict[str, AgentStream] = {}
+        # Every open heartbeat stream of each host, oldest first: an agent that reconnects has two for
+        # a moment, and a second stream (a reconnect, or anyone with the incarnation) ending says
+        # nothing about the host while another one still carries its heartbeats.
+        self._streams: dict[str, list[AgentStream]] = {}
         self._topology_changed = asyncio.Condition()
         self._tasks: list[asyncio.Task[None]] = []
         self._store_down = False
@@ -207,7 +210,7 @@ class Coordinator:
         self._liveness = {}
         self._dirty_steps = {}
         # Agents streaming to this replica must find the new leader.
-        for stream in self._streams.values():
+        for stream in self._every_stream():
             stream.commands.put_nowait(("not_leader", reason))
 
     async def _mirror(self) -> None:
@@ -306,7 +309,7 @@ class Coordinator:
             if event.type in (EventType.TOPOLOGY_CHANGED, EventType.JOB_HALTED):
                 self.metrics.epochs_published.inc()
             if event.type is EventType.JOB_FINISHED:
-                for stream in self._streams.values():
+                for stream in self._every_stream():
                     stream.commands.put_nowait(("finished", event.reason))
         if any(e.type in (EventType.TOPOLOGY_CHANGED, EventType.JOB_HALTED) for e in events):
             self._stalls = {}
@@ -315,9 +318,12 @@ class Coordinator:
         self._update_gauges()
 
     def _send(self, host_id: str, incarnation: int, command: str, reason: str) -> None:
-        stream = self._streams.get(host_id)
-        if stream is not None and stream.incarnation == incarnation:
-            stream.commands.put_nowait((command, reason))
+        for stream in self._streams.get(host_id, ()):
+            if stream.incarnation == incarnation:
+                stream.commands.put_nowait((command, reason))
+
+    def _every_stream(self) -> list[AgentStream]:
+        return [stream for streams in self._streams.values() for stream in streams]
 
     def _update_gauges(self) -> None:
         self.metrics.set_members(Counter(m.state for m in self.state.members.values()))
@@ -442,7 +448,7 @@ class Coordinator:
 
     def attach_stream(self, host_id: str, incarnation: int) -> AgentStream:
         stream = AgentStream(host_id, incarnation)
-        self._streams[host_id] = stream
+        self._streams.setdefault(host_id, []).append(stream)
         seen = self._liveness.get(host_id)
         if seen is not None and seen.incarnation == incarnation:
             self._liveness[host_id] = replace(seen, stream_broken_at=None)
@@ -454,11 +460,17 @@ class Coordinator:
         return f"the job finished at step {self.state.finished_step}"
 
     def detach_stream(self, stream: AgentStream) -> None:
-        # Only the host's current stream breaking is a signal: an older stream of the same agent that
-        # ends after a newer one attached (a reconnect) says nothing about the host.
-        if self._streams.get(stream.host_id) is not stream:
+        # A stream ending is a signal only when it was the last one of the host's incarnation: while
+        # another carries its heartbeats (a reconnect's old stream ending late, or a stream opened by
+        # someone else and closed), the host is as alive as those heartbeats say.
+        streams = self._streams.get(stream.host_id, [])
+        if stream not in streams:
             return
-        del self._streams[stream.host_id]
+        streams.remove(stream)
+        if not streams:
+            del self._streams[stream.host_id]
+        if any(s.incarnation == stream.incarnation for s in streams):
+            return
         seen = self._liveness.get(stream.host_id)
         if seen is not None and seen.incarnation == stream.incarnation and seen.stream_broken_at is None:
             self._liveness[stream.host_id] = replace(seen, stream_broken_at=self._clock())
