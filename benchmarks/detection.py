@@ -44,6 +44,7 @@ from remesh.embedded import RedisServer
 from remesh.embedded.cluster import LocalCluster, wait_for
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
+from remesh.v1.security import Role
 
 ACTIVE = 4
 SPARES = 2
@@ -57,9 +58,9 @@ def progress(message: str) -> None:
 class Watcher:
     """A WatchTopology stream in a thread: wall-clock arrival time of each epoch."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, channel: grpc.Channel) -> None:
         self.arrivals: dict[int, float] = {}
-        self._channel = grpc.insecure_channel(address)
+        self._channel = channel
         self._call = pb_grpc.CoordinatorStub(self._channel).WatchTopology(pb.WatchTopologyRequest())
         threading.Thread(target=self._run, daemon=True).start()
 
@@ -88,10 +89,12 @@ def percentile(values: list[float], q: float) -> float:
 
 
 class Job:
-    def __init__(self, tmp: Path, redis_url: str, coordinator_args: list[str]) -> None:
+    def __init__(
+        self, tmp: Path, redis_url: str, coordinator_args: list[str], *, secure: bool = True
+    ) -> None:
         job_id = f"bench-{uuid.uuid4().hex[:8]}"
         (tmp / job_id).mkdir()
-        self.cluster = LocalCluster(tmp / job_id, redis_url, job_id)
+        self.cluster = LocalCluster(tmp / job_id, redis_url, job_id, secure=secure)
         self.next_spare = 0
         self.watchers: list[Watcher] = []
         try:
@@ -102,7 +105,7 @@ class Job:
                 self.add_spare()
             self.cluster.wait_epoch(1, timeout=60)
             self.wait_steady()
-            self.watchers = [Watcher(self.cluster.address) for _ in range(WATCHERS)]
+            self.watchers = [Watcher(self.cluster.channel(Role.READER, "bench")) for _ in range(WATCHERS)]
             wait_for(lambda: all(1 in w.arrivals for w in self.watchers), 10, "watchers to connect")
         except BaseException:
             self.close()  # never leave the processes of a half-started job behind

@@ -36,6 +36,7 @@ from remesh.embedded import RedisServer
 from remesh.embedded.cluster import LocalCluster, Proc, wait_for
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
+from remesh.v1.security import Role
 
 REPLICAS = 3
 ACTIVE = 3
@@ -49,9 +50,9 @@ def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def is_leader(address: str) -> bool:
+def is_leader(cluster: LocalCluster, address: str) -> bool:
     """A write to an unknown host: the leader handles it (NOT_FOUND), a follower refuses (UNAVAILABLE)."""
-    with grpc.insecure_channel(address) as channel:
+    with cluster.channel(Role.HOST, "bench-probe", address) as channel:
         try:
             pb_grpc.CoordinatorStub(channel).Leave(
                 pb.LeaveRequest(host_id="bench-probe", incarnation=1), timeout=1
@@ -85,7 +86,9 @@ class Job:
 
     def leader(self, timeout: float = 30) -> str:
         def find() -> str | None:
-            return next((a for a, p in self.replicas.items() if p.alive() and is_leader(a)), None)
+            return next(
+                (a for a, p in self.replicas.items() if p.alive() and is_leader(self.cluster, a)), None
+            )
 
         return wait_for(find, timeout, "a leading replica", interval=0.01)  # type: ignore[return-value]
 

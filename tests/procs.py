@@ -16,6 +16,7 @@ from remesh.embedded.cluster import LocalCluster as Cluster
 from remesh.embedded.cluster import Proc
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
+from remesh.v1.security import Role
 
 __all__ = ["Cluster", "GrpcHost", "Proc", "assert_no_events", "assert_quiet_takeover", "hold", "wait_for"]
 
@@ -87,9 +88,11 @@ def assert_quiet_takeover(
 class GrpcHost:
     """A host registered over gRPC that keeps heartbeating (as an agent would) until stopped."""
 
-    def __init__(self, channel: grpc.Channel, host_id: str, step: int) -> None:
+    def __init__(self, cluster: Cluster, host_id: str, step: int) -> None:
         self.host_id = host_id
-        stub = pb_grpc.CoordinatorStub(channel)
+        # Its own channel, with its host's identity (mutual TLS, unless the cluster is insecure).
+        self._channel = cluster.channel(Role.HOST, host_id)
+        self.stub = stub = pb_grpc.CoordinatorStub(self._channel)
         reply = stub.Register(
             pb.RegisterRequest(host_id=host_id, device_count=2, address="127.0.0.1"), timeout=5
         )
@@ -121,3 +124,4 @@ class GrpcHost:
         self._stop.set()
         self._call.cancel()
         self._thread.join(5)
+        self._channel.close()

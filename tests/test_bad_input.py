@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import urllib.request
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import grpc
 import pytest
 
+from remesh.embedded import RedisServer
 from remesh.v1 import coordinator_pb2 as pb
 from tests.procs import Cluster, hold, wait_for
 
@@ -15,13 +17,23 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def running(cluster: Cluster) -> Iterator[Cluster]:
+def running(tmp_path: Path, redis_server: RedisServer, job_id: str) -> Iterator[Cluster]:
+    """Two agents in epoch 1 on an insecure coordinator: what is checked here is what the coordinator
+    makes of a request, whoever sends it (who may send what: tests/test_security.py)."""
+    cluster = Cluster(tmp_path, redis_server.url, job_id, secure=False)
+    try:
+        yield _formed(cluster)
+    finally:
+        cluster.close()
+
+
+def _formed(cluster: Cluster) -> Cluster:
     cluster.start_coordinator("--world-size", "2", "--metrics-port", "0")
     cluster.start_agent("host-0")
     cluster.start_agent("host-1")
     cluster.wait_epoch(1)
     wait_for(lambda: any(e.type == pb.EVENT_TYPE_EPOCH_LIVE for e in cluster.events()), 30, "epoch 1 live")
-    yield cluster
+    return cluster
 
 
 def snapshot(c: Cluster) -> tuple[object, ...]:
@@ -63,6 +75,9 @@ def test_bad_requests_get_clear_statuses_and_change_nothing(running: Cluster) ->
         ("bad state filter", lambda: stub.ListMembers(pb.ListMembersRequest(states=[42])), INVALID, "member state"),
         ("bad event id", lambda: list(stub.ReplayEvents(pb.ReplayEventsRequest(after_id="yesterday"))), INVALID, "event id"),
         ("bad event type", lambda: list(stub.ReplayEvents(pb.ReplayEventsRequest(types=[999]))), INVALID, "event type"),
+        ("NaN since", lambda: list(stub.ReplayEvents(pb.ReplayEventsRequest(since=float("nan")))), INVALID, "not a time"),
+        ("escapes in an address", lambda: stub.Register(pb.RegisterRequest(host_id="x", address="\x1b[2J")), INVALID, "address"),
+        ("NaN phase", lambda: stub.AckEpoch(pb.AckEpochRequest(host_id="host-0", incarnation=inc, epoch=epoch, phases={"restore": float("nan")})), INVALID, "finite"),
         ("negative watch epoch", lambda: next(iter(stub.WatchTopology(pb.WatchTopologyRequest(after_epoch=-1)))), INVALID, "negative"),
     ]  # fmt: skip
     for name, call, expected, words in cases:

@@ -20,14 +20,14 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
-import grpc
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from rich.console import Console
 
 from remesh.cli import build_parser
 from remesh.cli.replay_check import compare
-from remesh.cli.views import format_age, parse_since
+from remesh.cli.views import format_age, parse_since, safe
 from remesh.coordinator import convert
 from remesh.coordinator.model import (
     ClusterState,
@@ -192,6 +192,15 @@ def test_event_survives_the_proto_round_trip(event: Event) -> None:
     assert convert.event_from_pb(convert.event_to_pb(event)) == event
 
 
+def test_what_a_client_supplied_reaches_the_terminal_as_plain_text() -> None:
+    console = Console(record=True, width=120, force_terminal=True)
+    console.print(safe("[bold red]x[/bold red]\x1b]0;owned\x07 ok"))
+    text = console.export_text()
+    assert "[bold red]x[/bold red]" in text  # markup shown, not applied
+    assert "\\x1b]0;owned\\x07" in text  # escapes shown, not sent
+    assert "\x1b]0" not in console.export_text(styles=True)
+
+
 # ---- against a real coordinator --------------------------------------------------------------------
 
 
@@ -211,8 +220,7 @@ def formed(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer) 
     hosts: list[GrpcHost] = []
     try:
         cluster.start_coordinator("--world-size", "2")
-        channel = grpc.insecure_channel(cluster.address)
-        hosts = [GrpcHost(channel, "host-1", 41), GrpcHost(channel, "host-2", 42)]
+        hosts = [GrpcHost(cluster, "host-1", 41), GrpcHost(cluster, "host-2", 42)]
         _form(cluster, hosts)
         yield cluster
     finally:
@@ -221,13 +229,37 @@ def formed(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer) 
         cluster.close()
 
 
-_ENV = {**os.environ, "COLUMNS": "200"}
-_ENV.pop("REMESH_COORDINATOR", None)
+@pytest.fixture(autouse=True)
+def _operator(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The commands run as the operator of the test's cluster (its CA, mutual TLS); without a
+    cluster, --insecure (the address they are given answers nothing anyway)."""
+    for name in (
+        "REMESH_COORDINATOR",
+        "REMESH_TLS_CA",
+        "REMESH_TLS_CERT",
+        "REMESH_TLS_KEY",
+        "REMESH_INSECURE",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    cluster = next(
+        (request.getfixturevalue(f) for f in ("formed", "cluster") if f in request.fixturenames), None
+    )
+    env = cluster.client_env() if cluster is not None else {"REMESH_INSECURE": "1"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "COLUMNS": "200"}
 
 
 def remesh(*args: str, timeout: float = 20) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "remesh.cli", *args], capture_output=True, text=True, timeout=timeout, env=_ENV
+        [sys.executable, "-m", "remesh.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=_env(),
     )
 
 
@@ -389,12 +421,11 @@ def test_drain_is_seen_by_follow_and_replay_still_matches(
     cluster: Cluster, capsys: pytest.CaptureFixture[str]
 ) -> None:
     cluster.start_coordinator("--world-size", "2")
-    channel = grpc.insecure_channel(cluster.address)
-    hosts = [GrpcHost(channel, "host-1", 1), GrpcHost(channel, "host-2", 1)]
+    hosts = [GrpcHost(cluster, "host-1", 1), GrpcHost(cluster, "host-2", 1)]
     follower = subprocess.Popen(
         [sys.executable, "-m", "remesh.cli", "events", "--coordinator", cluster.address,
          "--follow", "--json", "--type", "member_draining", "topology_changed"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_ENV,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
     )  # fmt: skip
     lines: queue.Queue[str] = queue.Queue()
 
@@ -430,7 +461,6 @@ def test_drain_is_seen_by_follow_and_replay_still_matches(
             follower.wait(5)
         for host in hosts:
             host.stop()
-        channel.close()
 
 
 def test_help_lists_the_commands(capsys: pytest.CaptureFixture[str]) -> None:

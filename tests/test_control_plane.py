@@ -21,6 +21,7 @@ from remesh.coordinator.settings import DetectorSettings
 from remesh.coordinator.store import RedisStore
 from remesh.embedded import RedisServer
 from remesh.v1 import coordinator_pb2 as pb
+from remesh.v1.security import Role
 from tests.procs import Cluster, GrpcHost, Proc, assert_no_events, assert_quiet_takeover, hold, wait_for
 
 pytestmark = pytest.mark.integration
@@ -47,7 +48,7 @@ class Watcher:
 
     def __init__(self, cluster: Cluster) -> None:
         self.received: list[pb.Topology] = []
-        self._channel = grpc.insecure_channel(cluster.address)
+        self._channel = cluster.channel(Role.READER, "watcher")
         from remesh.v1 import coordinator_pb2_grpc as pb_grpc
 
         self._call = pb_grpc.CoordinatorStub(self._channel).WatchTopology(pb.WatchTopologyRequest())
@@ -224,7 +225,9 @@ def test_a_redis_outage_during_a_failure_evicts_nobody_healthy_and_loses_nothing
         private_redis.stop()
         down_at = time.monotonic()
         with pytest.raises(grpc.RpcError) as refused:
-            cluster.stub().Register(pb.RegisterRequest(host_id="late-host", device_count=2), timeout=5)
+            cluster.stub_as(Role.HOST, "late-host").Register(
+                pb.RegisterRequest(host_id="late-host", device_count=2), timeout=5
+            )
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "Redis" in (refused.value.details() or "")
         with pytest.raises(grpc.RpcError) as replay_refused:
@@ -435,16 +438,16 @@ def test_the_last_step_is_stored_before_the_job_is_said_finished(cluster: Cluste
     """The heartbeat carrying a member's last step races its Finish call: whoever reads
     ``job_finished`` in the log finds that step in the store anyway, and it stays final."""
     cluster.start_coordinator("--world-size", "2")
-    channel = grpc.insecure_channel(cluster.address)
-    hosts = [GrpcHost(channel, "host-1", 41), GrpcHost(channel, "host-2", 41)]
+    hosts = [GrpcHost(cluster, "host-1", 41), GrpcHost(cluster, "host-2", 41)]
     try:
         cluster.wait_epoch(1, timeout=15)
         epoch = cluster.topology().epoch
-        stub = cluster.stub()
         for host in hosts:
-            stub.AckEpoch(pb.AckEpochRequest(host_id=host.host_id, incarnation=host.incarnation, epoch=epoch))
+            host.stub.AckEpoch(
+                pb.AckEpochRequest(host_id=host.host_id, incarnation=host.incarnation, epoch=epoch)
+            )
         # host-1 heartbeats step 41 throughout: the Finish call alone says it completed step 50.
-        stub.Finish(
+        hosts[0].stub.Finish(
             pb.FinishRequest(host_id="host-1", incarnation=hosts[0].incarnation, epoch=epoch, step=50),
             timeout=5,
         )
@@ -456,7 +459,6 @@ def test_the_last_step_is_stored_before_the_job_is_said_finished(cluster: Cluste
     finally:
         for host in hosts:
             host.stop()
-        channel.close()
 
 
 def stored_steps(cluster: Cluster) -> dict[str, int]:

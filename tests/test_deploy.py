@@ -17,8 +17,12 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+import redis
 
 from remesh.cli import build_parser
+from remesh.embedded import RedisServer
+from remesh.v1 import coordinator_pb2 as pb
+from tests.procs import Cluster, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -96,7 +100,15 @@ def test_every_object_renders_and_validates_against_the_kubernetes_schemas(
     errors = [str(f) for f in findings if f.outcome == "error"]
     assert not errors, "\n".join(errors)
     skipped = {f.subject for f in findings if f.outcome == "skipped"}
-    assert skipped == {"JobSet/tinylm", "PodMonitoring/remesh-coordinator"}  # custom resources only
+    assert skipped == {  # custom resources only
+        "JobSet/tinylm",
+        "PodMonitoring/remesh-coordinator",
+        "Issuer/remesh-bootstrap",
+        "Issuer/remesh-ca",
+        "Certificate/remesh-ca",
+        "Certificate/remesh-coordinator",
+        "Certificate/remesh-operator",
+    }
     # The JobSet's pods are checked all the same, as the Jobs it stands for.
     jobs = [f.subject for f in findings if f.outcome == "ok" and "-> Job/" in f.subject]
     assert len(jobs) == 2, jobs
@@ -118,19 +130,32 @@ def test_coordinator_runs_three_replicas_with_grpc_health_probes_and_flags_the_c
     pod = deployment["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     default_port = int(build_parser().parse_args(["coordinator"]).listen.rsplit(":", 1)[1])
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert container[probe]["grpc"]["port"] == default_port, probe
-
     args = build_parser().parse_args(expand(container["args"], container["env"], settings(objects)))
+    # The kubelet cannot do mutual TLS: its probes ask the plaintext health-only port.
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"]["port"] == args.health_port != default_port, probe
+    # Mutual TLS from the coordinator's certificate (certs.yaml), mounted from its Secret.
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert {args.tls_ca, args.tls_cert, args.tls_key} == {
+        f"{mounts['tls']}/{f}" for f in ("ca.crt", "tls.crt", "tls.key")
+    }
+    (secret,) = [v["secret"]["secretName"] for v in pod["volumes"] if v["name"] == "tls"]
+    certificate = one(objects, "Certificate", "remesh-coordinator")
+    assert certificate["spec"]["secretName"] == secret
+    assert "coordinator.remesh" in certificate["spec"]["dnsNames"]
+    assert certificate["spec"]["uris"] == ["spiffe://remesh.local/coordinator/remesh-coordinator"]
+    assert not args.insecure
     assert args.command == "coordinator" and args.log_json
     assert args.listen == f"0.0.0.0:{default_port}"
     assert args.preset == "production"
     assert args.world_size == int(settings(objects)["world-size"])
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"grpc": default_port, "metrics": args.metrics_port}
+    assert ports == {"grpc": default_port, "metrics": args.metrics_port, "health": args.health_port}
 
     service = one(objects, "Service", "remesh-coordinator")
-    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == ports
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {
+        k: v for k, v in ports.items() if k != "health"
+    }
     assert service["spec"]["selector"].items() <= pod_labels(deployment).items()
     pdb = one(objects, "PodDisruptionBudget", "remesh-coordinator")
     assert pdb["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
@@ -154,6 +179,22 @@ def test_redis_keeps_an_append_only_file_on_a_volume_and_memorystore_replaces_it
     option = {command[i]: command[i + 1] for i in range(1, len(command) - 1) if command[i].startswith("--")}
     assert option["--appendonly"] == "yes"
     assert option["--appendfsync"] == "always"
+    # Bounded, never evicting; no user without a password; the coordinator's user on this job's keys
+    # (tests/test_redis_production.py runs a coordinator against exactly these rules).
+    assert option["--maxmemory-policy"] == "noeviction"
+    users = {rule[0]: rule[1:] for rule in redis_users(command)}
+    assert users["default"] == ["off"]
+    assert {">$(REDIS_PASSWORD)", "~remesh:{$(REMESH_JOB)}:*", "-@dangerous"} <= set(users["remesh"])
+    (coordinator,) = one(objects, "Deployment", "remesh-coordinator")["spec"]["template"]["spec"][
+        "containers"
+    ]
+    env = {e["name"]: e for e in coordinator["env"]}
+    redis_env = {e["name"]: e for e in container["env"]}
+    assert env["REMESH_REDIS_USERNAME"]["value"] == "remesh"
+    assert (
+        env["REMESH_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+        == redis_env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+    )
     (claim,) = redis["spec"]["volumeClaimTemplates"]
     assert claim["spec"]["storageClassName"] == "premium-rwo"
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
@@ -168,6 +209,20 @@ def test_redis_keeps_an_append_only_file_on_a_volume_and_memorystore_replaces_it
     assert "remesh-redis" not in settings(memorystore)["redis-url"]
     egress = one(memorystore, "NetworkPolicy", "coordinator")["spec"]["egress"]
     assert [rule["to"][0]["ipBlock"]["cidr"] for rule in egress] == ["10.0.0.0/29"]
+
+
+def redis_users(command: list[str]) -> list[list[str]]:
+    """The ACL rules of a redis-server command line: the words after each --user, up to the next flag."""
+    rules: list[list[str]] = []
+    for i, word in enumerate(command):
+        if word == "--user":
+            rule = []
+            for w in command[i + 1 :]:
+                if w.startswith("--"):
+                    break
+                rule.append(w)
+            rules.append(rule)
+    return rules
 
 
 def test_network_policies_open_only_the_paths_remesh_uses(rendered: dict[str, Objects]) -> None:
@@ -265,7 +320,19 @@ def test_each_worker_pod_runs_the_agent_supervising_the_trainer_as_its_child(
         assert args.command == "agent"
         assert args.spare is (name == "spares")
         assert args.trainer[:4] == ["--", "python", "-m", "examples.tinylm.train_elastic"]
-        assert args.address == "<POD_IP>" and args.host_id == "<REPLICATED_JOB>-<JOB_INDEX>-<POD_INDEX>"
+        assert args.address == "<POD_IP>" and args.host_id == "<HOST_ID>"
+        env = {e["name"]: e for e in container["env"]}
+        # The host id is the pod's name, which is also the name its certificate gives it.
+        assert env["HOST_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+        (tls,) = [v for v in pod["volumes"] if v["name"] == "tls"]
+        attributes = tls["csi"]["volumeAttributes"]
+        assert attributes["csi.cert-manager.io/uri-sans"] == "spiffe://remesh.local/host/${POD_NAME}"
+        mount = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}["tls"]
+        assert {env[f"REMESH_TLS_{k}"]["value"] for k in ("CA", "CERT", "KEY")} == {
+            f"{mount}/ca.crt",
+            f"{mount}/tls.crt",
+            f"{mount}/tls.key",
+        }
         # Outlasts the replacement of a coordinator pod, so that stops no trainer (docs/deploy.md).
         assert args.lease >= 15
         env = {e["name"]: e for e in container["env"]}
@@ -309,3 +376,52 @@ def test_the_images_run_remesh_as_a_non_root_user_without_build_tools() -> None:
     assert dockerignore[dockerignore.index("**") :][:1] == ["**"]  # everything out, then allow-list
     lint = validate.lint_dockerfile()
     assert lint.outcome != "error", lint.message
+
+
+@pytest.mark.integration
+def test_the_coordinator_runs_under_exactly_the_redis_users_the_manifests_create(
+    rendered: dict[str, Objects], tmp_path: Path, job_id: str
+) -> None:
+    """The ACL rules of deploy/k8s/base/redis.yaml, word for word, on a real redis-server: the
+    coordinator's user is enough for a job (its log cut included), and no more than that."""
+    statefulset = one(rendered["overlays/gke"], "StatefulSet", "remesh-redis")
+    (container,) = statefulset["spec"]["template"]["spec"]["containers"]
+    password = "a-password-for-tests"
+    values = {"REDIS_PASSWORD": password, "REMESH_JOB": job_id}
+    rules = [
+        [re.sub(r"\$\((\w+)\)", lambda m: values[m.group(1)], word) for word in rule]
+        for rule in redis_users(container["command"])
+    ]
+    with RedisServer(appendonly=False, extra_args=[a for rule in rules for a in ("--user", *rule)]) as server:
+        cluster = Cluster(tmp_path, server.url, job_id)
+        try:
+            cluster.start_coordinator(
+                "--world-size", "1", "--redis-username", "remesh", "--max-events", "10",
+                env={"REMESH_REDIS_PASSWORD": password},
+            )  # fmt: skip
+            cluster.start_agent("host-0")
+            for spare in range(3):  # events enough to pass --max-events
+                cluster.start_agent(f"spare-{spare}", spare=True)
+            cluster.wait_epoch(1)
+            wait_for(lambda: cluster.events()[0].type == pb.EVENT_TYPE_LOG_COMPACTED, 20, "the log to be cut")
+            probe = redis.Redis.from_url(server.url, username="probe", password="probe")
+            coordinator = redis.Redis.from_url(server.url, username="remesh", password=password)
+            nobody = redis.Redis.from_url(server.url)
+            try:
+                assert probe.ping()
+                for refused in (
+                    lambda: probe.get(f"remesh:{{{job_id}}}:topology"),
+                    lambda: coordinator.set("remesh:{another-job}:topology", "x"),
+                    lambda: coordinator.flushall(),
+                    lambda: coordinator.config_get("*"),
+                    lambda: nobody.get(f"remesh:{{{job_id}}}:topology"),
+                ):
+                    with pytest.raises(
+                        (redis.exceptions.ResponseError, redis.exceptions.AuthenticationError)
+                    ):
+                        refused()
+            finally:
+                for client in (probe, coordinator, nobody):
+                    client.close()
+        finally:
+            cluster.close()

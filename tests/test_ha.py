@@ -30,6 +30,7 @@ from remesh.coordinator.store import RedisStore
 from remesh.embedded import RedisServer
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
+from remesh.v1 import security
 from tests.procs import Cluster, Proc, assert_no_events, assert_quiet_takeover, wait_for
 from tests.sockets import unread_bytes_from_me
 
@@ -42,8 +43,11 @@ AGENT_ARGS = ["--no-warm-standby"]
 DETECTOR = DetectorSettings()
 
 
-def stub(address: str) -> pb_grpc.CoordinatorStub:
-    return pb_grpc.CoordinatorStub(grpc.insecure_channel(address))
+def stub(
+    cluster: Cluster, address: str, role: security.Role = security.Role.OPERATOR, name: str = "operator"
+) -> pb_grpc.CoordinatorStub:
+    """A stub of the replica at ``address``, as ``role/name`` (the cluster's CA)."""
+    return pb_grpc.CoordinatorStub(cluster.channel(role, name, address))
 
 
 def trailing(exc: grpc.RpcError) -> dict[str, str]:
@@ -52,10 +56,12 @@ def trailing(exc: grpc.RpcError) -> dict[str, str]:
     return {str(k): str(v) for k, v in pairs}
 
 
-def probe(address: str) -> str:
+def probe(cluster: Cluster, address: str) -> str:
     """What a replica says to a write: 'leader', 'follower:<leader named>', or 'down'."""
     try:
-        stub(address).Leave(pb.LeaveRequest(host_id="probe-nobody", incarnation=1), timeout=1)
+        stub(cluster, address, security.Role.HOST, "probe-nobody").Leave(
+            pb.LeaveRequest(host_id="probe-nobody", incarnation=1), timeout=1
+        )
     except grpc.RpcError as exc:
         if exc.code() == grpc.StatusCode.NOT_FOUND:
             return "leader"  # it handled the write (and found no such host)
@@ -65,8 +71,8 @@ def probe(address: str) -> str:
     return "down"
 
 
-def leader_among(addresses: list[str]) -> str | None:
-    leaders = [a for a in addresses if probe(a) == "leader"]
+def leader_among(cluster: Cluster, addresses: list[str]) -> str | None:
+    leaders = [a for a in addresses if probe(cluster, a) == "leader"]
     assert len(leaders) <= 1, f"two replicas lead at once: {leaders}"
     return leaders[0] if leaders else None
 
@@ -83,7 +89,7 @@ class Replicas:
         cluster.addresses = list(self.procs)
 
     def leader(self, timeout: float = 10) -> str:
-        return wait_for(lambda: leader_among(self.live()), timeout, "a leader")
+        return wait_for(lambda: leader_among(self.cluster, self.live()), timeout, "a leader")
 
     def live(self) -> list[str]:
         return [a for a, p in self.procs.items() if p.alive()]
@@ -133,12 +139,14 @@ def test_followers_serve_reads_then_sigkill_of_the_leader_a_follower_leads_evict
     before = cluster.members()
     for follower in [a for a in r.procs if a != old]:
         # Reads are served from Redis by every replica, and agree.
-        assert stub(follower).GetTopology(pb.GetTopologyRequest(), timeout=5) == cluster.topology()
-        listed = stub(follower).ListMembers(pb.ListMembersRequest(), timeout=5)
+        assert stub(cluster, follower).GetTopology(pb.GetTopologyRequest(), timeout=5) == cluster.topology()
+        listed = stub(cluster, follower).ListMembers(pb.ListMembersRequest(), timeout=5)
         assert {m.host_id for m in listed.members} == {*ACTIVE, "spare-0"}
         # A write is refused with UNAVAILABLE, the leader's address in the trailing metadata and the text.
         with pytest.raises(grpc.RpcError) as refused:
-            stub(follower).Register(pb.RegisterRequest(host_id="late-host", device_count=1), timeout=5)
+            stub(cluster, follower, security.Role.HOST, "late-host").Register(
+                pb.RegisterRequest(host_id="late-host", device_count=1), timeout=5
+            )
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         assert trailing(refused.value)["remesh-leader"] == old
         assert f"the leader is at {old}" in (refused.value.details() or "")
@@ -165,7 +173,7 @@ def test_followers_serve_reads_then_sigkill_of_the_leader_a_follower_leads_evict
     # The new leader recovers a host failure as usual: the spare takes its rank in epoch 2, and a
     # topology watch on the remaining follower (which mirrors Redis) sees it too.
     follower = next(a for a in r.live() if a != new)
-    watch = stub(follower).WatchTopology(pb.WatchTopologyRequest(after_epoch=1), timeout=20)
+    watch = stub(cluster, follower).WatchTopology(pb.WatchTopologyRequest(after_epoch=1), timeout=20)
     ranks = {m.host_id: m.rank for m in cluster.topology().members}
     cluster.agents["host-1"].kill()
     after = cluster.wait_epoch(2, timeout=10)
@@ -182,11 +190,11 @@ def test_split_brain_a_stopped_leader_is_fenced_and_steps_down(cluster: Cluster)
     # leader is stopped goes straight into its socket. (A new connection would wait for the server's
     # SETTINGS frame before sending the request, i.e. until it wakes.)
     old_port = int(old.rsplit(":", 1)[1])
-    old_channel = grpc.insecure_channel(old)
+    old_channel = cluster.channel(address=old)
     old_stub = pb_grpc.CoordinatorStub(old_channel)
     old_stub.GetTopology(pb.GetTopologyRequest(), timeout=5)
     r.procs[old].signal_group(signal.SIGSTOP)
-    new = wait_for(lambda: leader_among([a for a in r.procs if a != old]), 5, "a follower to lead")
+    new = wait_for(lambda: leader_among(cluster, [a for a in r.procs if a != old]), 5, "a follower to lead")
     r.use(new)
     # Agents notice the silent leader (no keepalive) and move to the new one before its grace ends.
     wait_for(lambda: all_reregistered(cluster, before), 10, "every agent to register with the new leader")
@@ -215,7 +223,7 @@ def test_split_brain_a_stopped_leader_is_fenced_and_steps_down(cluster: Cluster)
     assert answer[0].code() == grpc.StatusCode.UNAVAILABLE
     assert trailing(answer[0])["remesh-leader"] in ("", new)
 
-    wait_for(lambda: probe(old) == f"follower:{new}", 5, "the old leader to follow the new one")
+    wait_for(lambda: probe(cluster, old) == f"follower:{new}", 5, "the old leader to follow the new one")
     log = r.procs[old].output()
     assert "role=follower" in log
     # It stepped down on waking: a write refused by Redis (fencing token), a renewal that found the
@@ -251,7 +259,9 @@ def test_replica_bad_input_unknown_leader_and_redis_down(tmp_path: Path, job_id:
             client.set(f"remesh:{{{job_id}}}:leader", "99", px=60_000)
             cluster.start_coordinator("--ha")
             with pytest.raises(grpc.RpcError) as refused:
-                cluster.stub().Register(pb.RegisterRequest(host_id="h", device_count=1), timeout=5)
+                stub(cluster, cluster.address, security.Role.HOST, "h").Register(
+                    pb.RegisterRequest(host_id="h", device_count=1), timeout=5
+                )
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
             assert trailing(refused.value)["remesh-leader"] == ""
             assert "no leader is known yet" in (refused.value.details() or "")
@@ -273,6 +283,7 @@ def test_replica_bad_input_unknown_leader_and_redis_down(tmp_path: Path, job_id:
             url,
             "--listen",
             "127.0.0.1:0",
+            "--insecure",
         ],
         tmp_path / "down.log",
     )

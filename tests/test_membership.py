@@ -143,7 +143,14 @@ def test_stale_or_future_incarnation_is_rejected(op: Op, incarnation: int, match
 
 @pytest.mark.parametrize(
     ("device_count", "address", "match"),
-    [(-1, "", "device_count"), (65537, "", "device_count"), (1, "x" * 1025, "address")],
+    [
+        (-1, "", "device_count"),
+        (65537, "", "device_count"),
+        (1, "x" * 256, "address"),
+        (1, "10.0.0.1\x1b[2J", "address"),
+        (1, "[red]host[/red]", "address"),
+        (1, "host name", "address"),
+    ],
 )
 def test_register_validates_its_fields(device_count: int, address: str, match: str) -> None:
     with pytest.raises(InvalidRequest, match=match):
@@ -163,6 +170,49 @@ def test_register_validates_its_fields(device_count: int, address: str, match: s
 def test_oversized_text_is_invalid(call: Callable[[ClusterState], object]) -> None:
     with pytest.raises(InvalidRequest, match="limit is 1024"):
         call(job())
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda s: membership.leave(NOW, s, "a1", 1, "bye\x1b]0;owned\x07"),
+        lambda s: membership.drain(NOW, s, "a1", "line one\nline two"),
+        lambda s: membership.report_fault(NOW, s, "a1", 1, FaultKind.HOST, 3, 1, "\x9b31m"),
+    ],
+    ids=["leave", "drain", "report_fault"],
+)
+def test_control_characters_in_text_are_invalid(call: Callable[[ClusterState], object]) -> None:
+    with pytest.raises(InvalidRequest, match="control characters"):
+        call(job())
+
+
+@pytest.mark.parametrize(
+    ("phases", "match"),
+    [
+        ({"restore": float("nan")}, "finite"),
+        ({"restore": float("inf")}, "finite"),
+        ({"restore": -1.0}, "non-negative"),
+        ({"Restore Time": 1.0}, "snake_case"),
+        ({f"p{i}": 1.0 for i in range(33)}, "limit is 32"),
+    ],
+)
+def test_an_ack_with_unreasonable_phases_is_invalid(phases: dict[str, float], match: str) -> None:
+    state = job(hosts=("a0", "a1"), spares=())
+    with pytest.raises(InvalidRequest, match=match):
+        membership.ack_epoch(NOW, state, "a1", 1, 3, 0, "memory", phases)
+
+
+def test_a_host_that_keeps_coming_back_has_a_short_reason() -> None:
+    """A reason quotes the one before it, never the whole history (it grew with every re-register)."""
+    state = job()
+    for i in range(200):
+        (m,) = [m for m in state.members.values() if m.host_id == "a1"]
+        state = replay(membership.declare(NOW + i, state, "a1", m.incarnation, DEAD, f"lost {i}"), state)
+        events, _ = membership.register(NOW + i, state, "a1", Role.ACTIVE, 2, "a1.local")
+        state = replay(events, state)
+    reason = state.members["a1"].reason
+    assert len(reason) < 200, reason
+    assert reason.endswith("(was dead: lost 199)"), reason
 
 
 # ---- register --------------------------------------------------------------------------------------

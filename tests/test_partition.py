@@ -31,6 +31,7 @@ import pytest
 from remesh.embedded import RedisServer
 from remesh.embedded.cluster import LocalCluster, Proc
 from remesh.v1 import coordinator_pb2 as pb
+from remesh.v1.security import Role
 from tests.procs import wait_for
 from tests.tcp_proxy import CutMode, TcpProxy
 
@@ -117,7 +118,8 @@ class LinkedCluster(LocalCluster):
             "ip", "netns", "exec", self.link.ns,
             sys.executable, "-m", "remesh.cli", "agent", "--coordinator", self.address,
             "--host-id", host_id, "--address", self.link.there_ip, "--job", self.job,
-            "--lease", str(LEASE_S), "--", sys.executable, "-m", "remesh.embedded.standin",
+            "--lease", str(LEASE_S), *self.tls_args(Role.HOST, host_id),
+            "--", sys.executable, "-m", "remesh.embedded.standin",
         ]  # fmt: skip
         proc = Proc(args, self.tmp / f"agent-{host_id}.log")
         self.procs.append(proc)

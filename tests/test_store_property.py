@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import uuid
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import replace
@@ -135,9 +136,18 @@ class CoordinatorMachine(RuleBasedStateMachine):
         for i, host in enumerate(HOSTS[: actives + spares]):
             self.join(0.0, host, Role.ACTIVE if i < actives else Role.SPARE)
 
-    @rule(dt=clock_steps, host=host_ids, role=st.sampled_from(Role), devices=st.sampled_from((1, 2, 8, -1)))
-    def register(self, dt: float, host: str, role: Role, devices: int) -> None:
-        self.change(dt, lambda s, t: membership.register(t, s, host, role, devices, f"{host}.local")[0])
+    @rule(
+        dt=clock_steps,
+        host=host_ids,
+        role=st.sampled_from(Role),
+        devices=st.sampled_from((1, 2, 8, -1)),
+        limit=st.sampled_from((0, 0, 3)),
+    )
+    def register(self, dt: float, host: str, role: Role, devices: int, limit: int = 0) -> None:
+        """A registration; with ``limit`` under a member limit (room made by forgetting, or refused)."""
+        self.change(
+            dt, lambda s, t: membership.register(t, s, host, role, devices, f"{host}.local", 128, limit)[0]
+        )
 
     @rule(dt=clock_steps, host=st.sampled_from(HOSTS), role=st.sampled_from(Role))
     def join(self, dt: float, host: str, role: Role) -> None:
@@ -258,6 +268,22 @@ class CoordinatorMachine(RuleBasedStateMachine):
         epoch = self.state.epoch + epoch_delta
         self.change(dt, lambda s, t: membership.finish(t, s, host, incarnation, epoch, 60))
 
+    @rule(dt=clock_steps, retention=st.sampled_from((0.0, 5.0)))
+    def forget(self, dt: float, retention: float) -> None:
+        """The housekeeping: members dead or left for ``retention`` are forgotten."""
+        self.change(dt, lambda s, t: membership.expire(t, s, retention))
+
+    @rule(dt=clock_steps)
+    def compact(self, dt: float) -> None:
+        """The log is cut behind an event that holds the state; the log still replays to it."""
+        self.now += dt
+        state = json.dumps(self.state.to_dict())
+        event = Event(EventType.LOG_COMPACTED, self.now, self.state.epoch, "cut", details={"state": state})
+        stored = self._run(self.store.compact(self.rev, event))
+        assert stored.id
+        self.rev += 1
+        self.logged = 1
+
     @rule(dt=clock_steps)
     def tick(self, dt: float) -> None:
         """The detector loop's nudge: plan with no input (a wait may have run out)."""
@@ -288,10 +314,13 @@ class CoordinatorMachine(RuleBasedStateMachine):
         assert ids == sorted(set(ids))
         assert all(a.epoch <= b.epoch for a, b in itertools.pairwise(log))
 
-        # Topology epochs go 1, 2, 3, ...: strictly up, so no two topologies share one.
+        # Topology epochs go 1, 2, 3, ...: strictly up, so no two topologies share one (after a cut,
+        # on from the epoch of the state the cut left).
+        assert all(e.type is not EventType.LOG_COMPACTED for e in log[1:])
+        first = log[0].epoch + 1 if log and log[0].type is EventType.LOG_COMPACTED else 1
         topologies = [e for e in log if e.topology is not None]
         assert all(e.type in (EventType.TOPOLOGY_CHANGED, EventType.JOB_HALTED) for e in topologies)
-        assert [e.epoch for e in topologies] == list(range(1, len(topologies) + 1))
+        assert [e.epoch for e in topologies] == list(range(first, first + len(topologies)))
         assert all(e.topology is not None and e.topology.epoch == e.epoch for e in topologies)
         assert all(not e.topology.halted for e in topologies[:-1] if e.topology is not None)
 
@@ -327,7 +356,8 @@ class CoordinatorMachine(RuleBasedStateMachine):
         # After the last step: no epoch, and nobody declared dead.
         assert self.state.epoch == self.finished_epoch
         events = self._run(self.store.read_events())
-        finished_at = next(i for i, e in enumerate(events) if e.type is EventType.JOB_FINISHED)
+        # From the job_finished event on (from the start of the log when a cut folded it in).
+        finished_at = next((i for i, e in enumerate(events) if e.type is EventType.JOB_FINISHED), 0)
         assert not [e for e in events[finished_at:] if e.type is EventType.MEMBER_DEAD]
 
     @invariant()

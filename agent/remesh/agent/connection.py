@@ -16,6 +16,7 @@ import grpc
 
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
 from remesh.v1.contract import LEADER_METADATA
+from remesh.v1.security import Tls, aio_channel
 
 __all__ = ["CoordinatorLink", "leader_hint", "metadata"]
 
@@ -44,11 +45,15 @@ class CoordinatorLink:
         keepalive_s: float,
         reconnect_initial_s: float,
         reconnect_max_s: float,
+        tls: Tls | None = None,
     ) -> None:
         self.coordinators = list(coordinators)
         self.keepalive_s = keepalive_s
         self.reconnect_initial_s = reconnect_initial_s
         self.reconnect_max_s = reconnect_max_s
+        # With TLS every channel checks the server holds a coordinator certificate of the job's CA,
+        # so a leader hint naming any other server leads nowhere.
+        self.tls = tls
         # The pause before the next attempt after a failure: doubles up to reconnect_max_s.
         self.backoff = reconnect_initial_s
         # The address of the current (or last) channel.
@@ -66,8 +71,9 @@ class CoordinatorLink:
         if self._stub is None:
             self.address = self._leader or self.coordinators[self._index % len(self.coordinators)]
             ping_ms = int(self.keepalive_s * 1000)
-            self._channel = grpc.aio.insecure_channel(
+            self._channel = aio_channel(
                 self.address,
+                self.tls,
                 options=[
                     ("grpc.keepalive_time_ms", ping_ms),
                     ("grpc.keepalive_timeout_ms", ping_ms),

@@ -27,7 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
+import shutil
+import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
@@ -134,6 +137,7 @@ class Agent:
             keepalive_s=settings.keepalive_s,
             reconnect_initial_s=settings.reconnect_initial_s,
             reconnect_max_s=settings.reconnect_max_s,
+            tls=settings.tls,
         )
         self._stopping = asyncio.Event()
         self._trainer_watch: asyncio.Task[None] | None = None
@@ -155,11 +159,13 @@ class Agent:
         """Serve until told to stop; returns the process exit code."""
         local = grpc.aio.server()
         apb_grpc.add_AgentLocalServicer_to_server(LocalApi(self), local)
-        port = local.add_insecure_port(self.settings.local_listen)
+        private_dir = self._bind_local(local)
         await local.start()
-        self.local_address = f"127.0.0.1:{port}"
         self.log.info(
-            "agent started", local_api=self.local_address, coordinators=",".join(self.settings.coordinators)
+            "agent started",
+            local_api=self.local_address,
+            coordinators=",".join(self.settings.coordinators),
+            tls=self.settings.tls is not None,
         )
         lease = asyncio.create_task(self._lease_watch(), name="lease")
         try:
@@ -178,6 +184,15 @@ class Agent:
                         grpc.StatusCode.FAILED_PRECONDITION,
                     ):
                         raise AgentExit(f"coordinator refused this agent: {exc.details()}", code=2) from exc
+                    if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in (
+                        grpc.StatusCode.UNAUTHENTICATED,
+                        grpc.StatusCode.PERMISSION_DENIED,
+                    ):
+                        raise AgentExit(
+                            f"coordinator refused this agent's identity: {exc.details()} (its certificate "
+                            f"must name spiffe://<trust domain>/host/{self.settings.host_id})",
+                            code=2,
+                        ) from exc
                     hint = leader_hint(exc) if isinstance(exc, grpc.aio.AioRpcError) else None
                     if hint is not None:
                         # A replica answered: this host is not cut off, whatever the leader's state.
@@ -203,6 +218,27 @@ class Agent:
             await self._stop_trainer("agent stopping", warm_too=True)
             await local.stop(0.2)
             await self.link.close(rotate=False)
+            if private_dir is not None:
+                shutil.rmtree(private_dir, ignore_errors=True)
+
+    def _bind_local(self, server: grpc.aio.Server) -> str | None:
+        """Bind the trainer's local API; returns the private directory made for it (None for TCP).
+
+        By default a Unix socket in a fresh directory only this user may enter (mode 0700): no other
+        local user can speak for the trainer. ``local_listen`` host:port binds TCP on loopback
+        instead, which any local user can reach.
+        """
+        if self.settings.local_listen:
+            port = server.add_insecure_port(self.settings.local_listen)
+            host = self.settings.local_listen.rsplit(":", 1)[0] or "127.0.0.1"
+            self.local_address = f"{host}:{port}"
+            return None
+        directory = tempfile.mkdtemp(prefix="remesh-agent-")  # 0700
+        path = os.path.join(directory, "local.sock")
+        server.add_insecure_port(f"unix:{path}")
+        os.chmod(path, 0o600)
+        self.local_address = f"unix:{path}"
+        return directory
 
     async def _pause(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from remesh.v1.security import Tls
+
 __all__ = ["AgentSettings"]
 
 
@@ -18,8 +20,12 @@ class AgentSettings:
     # Address peers reach this host at (the JAX coordination service runs here when it is rank 0).
     address: str = "127.0.0.1"
     job_id: str = "default"
-    # Local API for the trainer; port 0 picks a free one (passed to the trainer in its environment).
-    local_listen: str = "127.0.0.1:0"
+    # Local API for the trainer (its address passed in the trainer's environment): "" is a Unix
+    # socket in a directory only this user may enter; host:port binds TCP (port 0: a free one).
+    local_listen: str = ""
+    # This host's certificate, key and the job's CA (mutual TLS to the coordinator); None: plain
+    # gRPC, for local experiments (``remesh agent --insecure``).
+    tls: Tls | None = None
     # A trainer that reports no step for this long is hung: killed and reported. 0 turns it off.
     # Generous by default: the first step includes JAX start-up and compilation.
     hang_timeout_s: float = 120.0

@@ -42,6 +42,8 @@ class EventType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EVENT_TYPE_MEMBER_ASSIGNED: _ClassVar[EventType]
     EVENT_TYPE_CHECKPOINT_COMMITTED: _ClassVar[EventType]
     EVENT_TYPE_JOB_FINISHED: _ClassVar[EventType]
+    EVENT_TYPE_MEMBER_FORGOTTEN: _ClassVar[EventType]
+    EVENT_TYPE_LOG_COMPACTED: _ClassVar[EventType]
 
 class TrainerStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -94,6 +96,8 @@ EVENT_TYPE_MEMBER_REJOINED: EventType
 EVENT_TYPE_MEMBER_ASSIGNED: EventType
 EVENT_TYPE_CHECKPOINT_COMMITTED: EventType
 EVENT_TYPE_JOB_FINISHED: EventType
+EVENT_TYPE_MEMBER_FORGOTTEN: EventType
+EVENT_TYPE_LOG_COMPACTED: EventType
 TRAINER_STATUS_UNSPECIFIED: TrainerStatus
 TRAINER_STATUS_NOT_STARTED: TrainerStatus
 TRAINER_STATUS_RUNNING: TrainerStatus

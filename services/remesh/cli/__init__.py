@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from remesh.cli import _agent, _coordinator, _demo, _ops
+from remesh.cli import _agent, _certs, _coordinator, _demo, _ops
 from remesh.cli.logs import configure_logging
 
 __all__ = ["main"]
@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     _agent.add_parser(sub)
     _ops.add_parsers(sub)
     _demo.add_parser(sub)
+    _certs.add_parser(sub)
     return parser
 
 

@@ -10,6 +10,8 @@ from typing import Any
 
 import structlog
 
+from remesh.cli.tls_options import add_tls_arguments, tls_from_args
+
 log = structlog.get_logger("remesh.cli")
 
 
@@ -59,7 +61,13 @@ def add_parser(sub: Any) -> None:
         default=10,  # AgentSettings.trainer_nice
         help="niceness added to the trainer, so the agent's heartbeats go first on a busy CPU (0: none)",
     )
-    p.add_argument("--local-listen", default="127.0.0.1:0", help="address of the local API for the trainer")
+    p.add_argument(
+        "--local-listen",
+        default="",
+        help="host:port of the local API for the trainer (TCP: any local user can reach it); default: a "
+        "Unix socket in a directory only this user may enter",
+    )
+    add_tls_arguments(p, "this host's (role host, named by --host-id)")
     p.add_argument("trainer", nargs=argparse.REMAINDER, help="-- followed by the trainer command")
     p.set_defaults(run=run)
 
@@ -74,6 +82,11 @@ def run(args: argparse.Namespace) -> int:
     if not command:
         log.error("no trainer command", hint="append -- followed by the command that runs the trainer")
         return 2
+    try:
+        tls = tls_from_args(args)
+    except ValueError as exc:
+        log.error("invalid TLS settings", error=str(exc))
+        return 2
     settings = AgentSettings(
         coordinators=tuple(a.strip() for a in args.coordinator.split(",") if a.strip()),
         host_id=args.host_id,
@@ -87,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         warm_standby=not args.no_warm_standby,
         lease_s=args.lease,
         trainer_nice=args.trainer_nice,
+        tls=tls,
     )
     return asyncio.run(_main(Agent(settings)))
 

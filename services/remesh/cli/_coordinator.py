@@ -12,7 +12,9 @@ from typing import Any
 
 import structlog
 
+from remesh.cli.tls_options import add_tls_arguments, tls_from_args
 from remesh.coordinator.settings import PlannerSettings, Settings
+from remesh.v1.security import Tls
 
 log = structlog.get_logger("remesh.cli")
 
@@ -55,6 +57,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--job", default=os.environ.get("REMESH_JOB", "default"), help="job id (env REMESH_JOB)")
     p.add_argument("--listen", default="127.0.0.1:50051", help="gRPC address; port 0 picks a free port")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    p.add_argument(
+        "--health-port",
+        type=int,
+        default=None,
+        help="serve the gRPC health service alone, without TLS, on this port (for kubelet probes)",
+    )
     p.add_argument("--preset", choices=["local", "production"], default="local", help="detector timings")
     p.add_argument("--world-size", type=int, default=4, help="hosts the job forms with and grows back to")
     p.add_argument("--min-world-size", type=int, default=1, help="never shrink below this; wait instead")
@@ -80,7 +88,26 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="judge hosts by heartbeat timeouts alone, ignoring broken heartbeat streams",
     )
+    p.add_argument(
+        "--max-members",
+        type=int,
+        default=Settings.max_members,
+        help="members kept at most; a newcomer makes room by forgetting the oldest dead or left one",
+    )
+    p.add_argument(
+        "--member-retention",
+        type=float,
+        default=Settings.member_retention_s,
+        help="seconds a dead or left member is kept before it is forgotten (its events stay in the log)",
+    )
+    p.add_argument(
+        "--max-events",
+        type=int,
+        default=Settings.max_events,
+        help="events kept in the log; beyond, it is cut behind an event holding the whole state",
+    )
     p.add_argument("--port-file", help="write the bound gRPC port to this file once serving")
+    add_tls_arguments(p, "this coordinator's (role coordinator)")
     p.set_defaults(run=run)
 
 
@@ -125,6 +152,10 @@ def settings_from_args(args: argparse.Namespace, redis_url: str) -> Settings:
         ha=ha,
         listen=args.listen,
         metrics_port=args.metrics_port,
+        health_port=args.health_port,
+        max_members=args.max_members,
+        member_retention_s=args.member_retention,
+        max_events=args.max_events,
         detector=d,
         planner=planner,
     )
@@ -138,6 +169,11 @@ def run(args: argparse.Namespace) -> int:
             f"--world-size ({args.world_size}) must be >= 1 and >= --min-world-size ({args.min_world_size})",
         ),
         (
+            args.max_members >= 1 and args.max_events >= 10 and args.member_retention >= 0,
+            "invalid limits",
+            "--max-members must be >= 1, --max-events >= 10 and --member-retention >= 0",
+        ),
+        (
             args.jax_port_span >= 1 and 1024 <= args.jax_port_base <= 65536 - args.jax_port_span,
             "invalid JAX port range",
             f"the range [--jax-port-base, --jax-port-base + --jax-port-span) = [{args.jax_port_base}, "
@@ -148,6 +184,11 @@ def run(args: argparse.Namespace) -> int:
         if not ok:
             log.error(message, hint=hint)
             return 2
+    try:
+        tls = tls_from_args(args)
+    except ValueError as exc:
+        log.error("invalid TLS settings", error=str(exc))
+        return 2
     embedded = None
     redis_url = args.redis
     if redis_url == "embedded":
@@ -162,18 +203,18 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             log.error("invalid settings", error=str(exc))
             return 2
-        return asyncio.run(_serve(settings, args.port_file))
+        return asyncio.run(_serve(settings, tls, args.port_file))
     finally:
         if embedded is not None:
             embedded.close()
 
 
-async def _serve(settings: Settings, port_file: str | None) -> int:
+async def _serve(settings: Settings, tls: Tls | None, port_file: str | None) -> int:
     from remesh.coordinator.errors import StoreUnavailable
     from remesh.coordinator.server import serve
 
     try:
-        running = await serve(settings)
+        running = await serve(settings, tls)
     except ValueError as exc:
         log.error("cannot start", error=str(exc))
         return 2

@@ -28,9 +28,9 @@ from typing import Any
 import grpc
 from rich.console import Console
 from rich.table import Table
-from rich.text import Text
 
 from remesh.cli.replay_check import compare
+from remesh.cli.tls_options import add_tls_arguments, tls_from_args
 from remesh.cli.views import (
     enum_name,
     event_dict,
@@ -39,6 +39,7 @@ from remesh.cli.views import (
     members_table,
     parse_since,
     print_topology,
+    safe,
     state_text,
     topology_dict,
 )
@@ -46,6 +47,7 @@ from remesh.coordinator import convert
 from remesh.coordinator.model import EventType, MemberState, replay
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
+from remesh.v1.security import channel as channel_to
 
 __all__ = ["add_parsers"]
 
@@ -71,6 +73,12 @@ _HINTS: dict[grpc.StatusCode, str] = {
     grpc.StatusCode.INVALID_ARGUMENT: "fix the arguments; see --help",
     grpc.StatusCode.ABORTED: "the state changed while the coordinator worked on it; run the command again",
     grpc.StatusCode.UNIMPLEMENTED: "is {address} a remesh coordinator of a compatible version?",
+    grpc.StatusCode.UNAUTHENTICATED: (
+        "your certificate names no remesh identity of this job; use one `remesh certs` or your CA issued"
+    ),
+    grpc.StatusCode.PERMISSION_DENIED: (
+        "your identity may not do this; reads need a reader or operator certificate, drain an operator one"
+    ),
 }
 
 
@@ -81,7 +89,12 @@ def _describe_rpc_error(exc: grpc.RpcError, address: str) -> str:
     code = exc.code()
     details = (exc.details() or "").strip() or "no details"
     hint = _HINTS.get(code, "")
-    if code is grpc.StatusCode.UNAVAILABLE and "redis" in details.lower():
+    if code is grpc.StatusCode.UNAVAILABLE and "handshake" in details.lower():
+        hint = (
+            "the TLS handshake failed: --tls-ca must be the CA that issued the coordinator's certificate, "
+            "and --tls-cert/--tls-key yours, from the same CA (or both sides --insecure)"
+        )
+    elif code is grpc.StatusCode.UNAVAILABLE and "redis" in details.lower():
         # The coordinator answered: it is its store that is down, not the coordinator.
         hint = (
             "the coordinator is up but cannot reach Redis; check redis-server and the coordinator's --redis"
@@ -267,7 +280,7 @@ def _replay(args: argparse.Namespace, channel: grpc.Channel) -> int:
     for name in ("record", "field", "replayed", "live"):
         table.add_column(name, overflow="fold")
     for d in differences:
-        table.add_row(d.subject, d.field, json.dumps(d.replayed), json.dumps(d.live))
+        table.add_row(safe(d.subject), d.field, safe(json.dumps(d.replayed)), safe(json.dumps(d.live)))
     console.print(table)
     if not settled:
         console.print("note: the event log kept growing while it was read; run `remesh replay` again")
@@ -281,9 +294,11 @@ def _drain(args: argparse.Namespace, channel: grpc.Channel) -> int:
         return 0
     m = reply.member
     state = enum_name(pb.MemberState, m.state, "MEMBER_STATE_")
-    line = Text(f"{m.host_id} is ")
+    line = safe(m.host_id)
+    line.append(" is ")
     line.append(state_text(state))
-    line.append(f": {m.reason}")
+    line.append(": ")
+    line.append(safe(m.reason))
     console = _console()
     console.print(line)
     if state == MemberState.DRAINING.value:
@@ -300,7 +315,12 @@ def _run(command: Callable[[argparse.Namespace, grpc.Channel], int]) -> Callable
 
     def run(args: argparse.Namespace) -> int:
         try:
-            with grpc.insecure_channel(args.coordinator) as channel:
+            tls = tls_from_args(args)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        try:
+            with channel_to(args.coordinator, tls) as channel:
                 return command(args, channel)
         except grpc.RpcError as exc:
             print(f"error: {_describe_rpc_error(exc, args.coordinator)}", file=sys.stderr)
@@ -356,6 +376,7 @@ def _common(default_address: str) -> argparse.ArgumentParser:
         help=f"the coordinator's gRPC address (default: $REMESH_COORDINATOR, else {_DEFAULT_ADDRESS})",
     )
     common.add_argument("--json", action="store_true", help="print JSON for scripts instead of tables")
+    add_tls_arguments(common, "your (role operator or reader)")
     common.add_argument(
         "--timeout",
         type=_timeout_arg,

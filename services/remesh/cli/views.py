@@ -162,6 +162,15 @@ def event_dict(msg: pb.Event) -> dict[str, Any]:
     }
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def safe(value: str) -> Text:
+    """Text a client supplied (ids, reasons, addresses), as plain text: rich markup is not parsed and
+    control characters (terminal escapes) are shown escaped, never sent to the terminal."""
+    return Text(_CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", value))
+
+
 def state_text(state: str) -> Text:
     return Text(state, style=_STATE_STYLE.get(state, ""))
 
@@ -186,14 +195,14 @@ def members_table(members: Sequence[pb.Member], epoch: int, now: float) -> Table
         table.add_column(name, justify=justify, overflow="fold")  # type: ignore[arg-type]
     for m in members:
         table.add_row(
-            m.host_id,
+            safe(m.host_id),
             _dash(m.rank),
             enum_name(pb.Role, m.role, "ROLE_"),
             state_text(enum_name(pb.MemberState, m.state, "MEMBER_STATE_")),
             str(m.incarnation),
             str(m.device_count),
             _dash(m.last_step),
-            m.reason,
+            safe(m.reason),
             format_age(now - m.updated_at) if m.updated_at else "-",
         )
     return table
@@ -214,12 +223,12 @@ def print_topology(console: Console, msg: pb.Topology, now: float) -> None:
     info.add_column()
     info.add_row("world size", str(len(msg.members)))
     info.add_row("mesh shape", mesh)
-    info.add_row("jax coordinator", msg.jax_coordinator_address or "-")
+    info.add_row("jax coordinator", safe(msg.jax_coordinator_address or "-"))
     info.add_row("restore", restore)
-    info.add_row("reason", msg.reason)
+    info.add_row("reason", safe(msg.reason))
     info.add_row("created", f"{format_time(msg.created_at)} ({format_age(now - msg.created_at)})")
     if msg.job_id:
-        info.add_row("job", msg.job_id)
+        info.add_row("job", safe(msg.job_id))
     console.print(info)
     if msg.members:
         ranks = Table(expand=False)
@@ -228,7 +237,7 @@ def print_topology(console: Console, msg: pb.Topology, now: float) -> None:
         ranks.add_column("devices", justify="right")
         ranks.add_column("address")
         for m in msg.members:
-            ranks.add_row(str(m.rank), m.host_id, str(m.device_count), m.address or "-")
+            ranks.add_row(str(m.rank), safe(m.host_id), str(m.device_count), safe(m.address or "-"))
         console.print(ranks)
 
 
@@ -237,6 +246,8 @@ def event_line(msg: pb.Event) -> Text:
     line = Text(format_time(msg.time), style="dim")
     line.append("  ")
     line.append(f"{kind:<16}", style=_EVENT_STYLE.get(kind, ""))
-    line.append(f"  {msg.host_id or '-':<16}  epoch {msg.epoch:<4}  ")
-    line.append(msg.reason)
+    line.append("  ")
+    line.append(safe(f"{msg.host_id or '-':<16}"))
+    line.append(f"  epoch {msg.epoch:<4}  ")
+    line.append(safe(msg.reason))
     return line

@@ -31,9 +31,12 @@ __all__ = [
     "JobFinished",
     "NotFound",
     "NotLeader",
+    "PermissionDenied",
     "Rejected",
+    "ResourceExhausted",
     "StoreUnavailable",
     "TemporaryError",
+    "Unauthenticated",
 ]
 
 
@@ -51,6 +54,18 @@ class NotFound(CoordinatorError):
 
 class Rejected(CoordinatorError):
     pass
+
+
+class Unauthenticated(CoordinatorError):
+    """The caller presented no remesh identity (mutual TLS: no URI SAN of the job's trust domain)."""
+
+
+class PermissionDenied(CoordinatorError):
+    """The caller's identity may not do this (its role, or another host than its own)."""
+
+
+class ResourceExhausted(CoordinatorError):
+    """A limit that keeps the state bounded was reached (members of a job, streams of a client)."""
 
 
 class JobFinished(Rejected):

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from remesh.coordinator.errors import InvalidRequest, JobFinished, NotFound, Rejected
+from remesh.coordinator.errors import InvalidRequest, JobFinished, NotFound, Rejected, ResourceExhausted
 from remesh.coordinator.model import (
     ClusterState,
     Event,
@@ -29,6 +30,7 @@ from remesh.coordinator.model import (
     Member,
     MemberState,
     Role,
+    replay,
 )
 
 __all__ = [
@@ -39,7 +41,9 @@ __all__ = [
     "current_member",
     "declare",
     "drain",
+    "expire",
     "finish",
+    "forgettable",
     "heartbeat",
     "leave",
     "register",
@@ -50,7 +54,17 @@ __all__ = [
 # fullmatch, not match with "$": "$" also matches before a trailing newline.
 _HOST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
 _MAX_DEVICES = 65536
+# Free-form text from a client (reasons, details): it lands in events, logs and operators' terminals.
 _MAX_TEXT = 1024
+# Control characters (terminal escapes among them) have no place in any of it.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+# Where peers reach a host: a DNS name or an address, optionally with a port ([v6]:port included).
+_ADDRESS = re.compile(r"[A-Za-z0-9._:\[\]-]{0,255}")
+# A recovery phase's name in an acknowledgement, and how many an acknowledgement may carry.
+_PHASE = re.compile(r"[a-z][a-z0-9_]{0,39}")
+_MAX_PHASES = 32
+# A previous reason quoted in a new one: one level, never the whole history.
+_QUOTED_REASON = 200
 # A checkpoint tier's name ("local", "gcs"): it lands in events and logs.
 _TIER = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 
@@ -87,6 +101,35 @@ def validate_host_id(host_id: str, max_length: int) -> None:
 def _text(name: str, value: str) -> None:
     if len(value) > _MAX_TEXT:
         raise InvalidRequest(f"{name} is {len(value)} characters long; the limit is {_MAX_TEXT}")
+    if _CONTROL.search(value):
+        raise InvalidRequest(
+            f"{name} contains control characters (terminal escapes, newlines): send plain text"
+        )
+
+
+def _address(value: str) -> None:
+    if not _ADDRESS.fullmatch(value):
+        raise InvalidRequest(
+            f"address {value[:40]!r} is not a host name or IP address (with an optional port), "
+            "at most 255 characters"
+        )
+
+
+def _phases(phases: Mapping[str, float]) -> None:
+    if len(phases) > _MAX_PHASES:
+        raise InvalidRequest(f"phases names {len(phases)} phases; the limit is {_MAX_PHASES}")
+    for name, seconds in phases.items():
+        if not _PHASE.fullmatch(name):
+            raise InvalidRequest(f"phase {name[:40]!r} is not a short snake_case name like 'restore'")
+        # Durations, and a wall-clock start (``started_at``): non-negative, finite, before 2286.
+        if not math.isfinite(seconds) or not 0 <= seconds <= 1e10:
+            raise InvalidRequest(f"phase {name}: {seconds} is not a finite, non-negative number of seconds")
+
+
+def _quoted(reason: str) -> str:
+    """An earlier reason quoted in a new one: its own words only (not what it quoted), and short."""
+    own = reason.split(" (was ", 1)[0]
+    return own if len(own) <= _QUOTED_REASON else own[: _QUOTED_REASON - 3] + "..."
 
 
 def _member(state: ClusterState, host_id: str, max_length: int) -> Member:
@@ -134,6 +177,37 @@ def _event(type_: EventType, now: float, state: ClusterState, member: Member, re
     )
 
 
+def forgettable(state: ClusterState) -> list[Member]:
+    """Members the state may drop, oldest first: dead or left, and in no current topology."""
+    in_topology = set(state.topology.host_ids) if state.topology is not None else set()
+    gone = [
+        m
+        for m in state.members.values()
+        if m.state in (MemberState.DEAD, MemberState.LEFT) and m.host_id not in in_topology
+    ]
+    return sorted(gone, key=lambda m: (m.updated_at, m.host_id))
+
+
+def _forget(now: float, state: ClusterState, members: Sequence[Member], why: str) -> list[Event]:
+    return [
+        Event(
+            EventType.MEMBER_FORGOTTEN,
+            now,
+            state.epoch,
+            f"forgotten: {m.state.value} since {m.updated_at:.0f} ({why})",
+            host_id=m.host_id,
+            incarnation=m.incarnation,
+        )
+        for m in members
+    ]
+
+
+def expire(now: float, state: ClusterState, retention_s: float, limit: int = 1000) -> list[Event]:
+    """Forget members dead or left for ``retention_s`` or longer (at most ``limit`` at once)."""
+    old = [m for m in forgettable(state) if now - m.updated_at >= retention_s][:limit]
+    return _forget(now, state, old, f"kept {retention_s:g}s")
+
+
 def register(
     now: float,
     state: ClusterState,
@@ -142,18 +216,33 @@ def register(
     device_count: int,
     address: str,
     max_length: int = 128,
+    max_members: int = 0,
 ) -> tuple[list[Event], Member]:
+    """A host joins (or rejoins with a new incarnation). With ``max_members`` a newcomer that finds
+    the job full makes room by forgetting the oldest dead or left members; with none to forget it is
+    refused (``ResourceExhausted``)."""
     validate_host_id(host_id, max_length)
     if not 0 <= device_count <= _MAX_DEVICES:
         raise InvalidRequest(f"device_count {device_count} is outside 0..{_MAX_DEVICES}")
-    _text("address", address)
+    _address(address)
     _refuse_if_finished(state)
     if state.halted:
         raise Rejected(
             f"the job is halted ({state.topology.reason if state.topology else ''}): start a new job"
         )
     old = state.members.get(host_id)
-    incarnation = old.incarnation + 1 if old else 1
+    room: list[Event] = []
+    if old is None and max_members and len(state.members) >= max_members:
+        excess = len(state.members) - max_members + 1
+        gone = forgettable(state)[:excess]
+        if len(gone) < excess:
+            raise ResourceExhausted(
+                f"the job has {len(state.members)} members (the limit is {max_members}) and none is "
+                "dead or left to make room: drain or remove hosts, or raise --max-members"
+            )
+        room = _forget(now, state, gone, f"room for {host_id} under the limit of {max_members} members")
+        state = replay(room, state)
+    incarnation = old.incarnation + 1 if old else state.incarnation_floor + 1
     in_topology = state.topology is not None and host_id in state.topology.host_ids
     if old is not None and in_topology and old.state.is_up:
         # The same host came back before anyone judged it (a coordinator restart, a reconnect): it
@@ -173,7 +262,7 @@ def register(
     reason = (
         f"registered as {new_role.value} with incarnation {incarnation}"
         if old is None
-        else f"rejoined as {new_role.value} with incarnation {incarnation} (was {old.state.value}: {old.reason})"
+        else f"rejoined as {new_role.value} with incarnation {incarnation} (was {old.state.value}: {_quoted(old.reason)})"
     )
     member = Member(
         host_id=host_id,
@@ -187,7 +276,7 @@ def register(
         updated_at=now,
     )
     type_ = EventType.MEMBER_JOINED if old is None else EventType.MEMBER_REJOINED
-    return [_event(type_, now, state, member, reason)], member
+    return [*room, _event(type_, now, state, member, reason)], member
 
 
 def heartbeat(
@@ -390,6 +479,7 @@ def ack_epoch(
             f"{host_id} is {member.state.value}: a member that is not up cannot acknowledge an epoch"
         )
     _text("restore_source", restore_source)
+    _phases(phases)
     tiers = dict(restored_bytes or {})
     if len(tiers) > 16:
         raise InvalidRequest(f"restored_bytes names {len(tiers)} tiers; the limit is 16")

@@ -46,6 +46,13 @@ class Metrics:
             "remesh_store_errors", "Redis operations that failed (store unreachable)", registry=self.registry
         )
 
+        self.refusals = Counter(
+            "remesh_refused_calls",
+            "Calls refused by the access policy (kind: unauthenticated or permission_denied)",
+            ["method", "kind"],
+            registry=self.registry,
+        )
+
     def set_members(self, counts: Mapping[MemberState, int]) -> None:
         for state in MemberState:
             self.members.labels(state=state.value).set(counts.get(state, 0))

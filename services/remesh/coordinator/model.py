@@ -109,6 +109,11 @@ class EventType(enum.StrEnum):
     JOB_HALTED = "job_halted"
     CHECKPOINT_COMMITTED = "checkpoint_committed"
     JOB_FINISHED = "job_finished"
+    # A dead or left member removed from the state (kept past its retention, or making room).
+    MEMBER_FORGOTTEN = "member_forgotten"
+    # The log was cut: this event carries the whole state (details "state"), and the events before
+    # it are gone. Replay starts from it: replay(log) is still the live state.
+    LOG_COMPACTED = "log_compacted"
 
 
 @dataclass(frozen=True)
@@ -249,6 +254,36 @@ class ClusterState:
     commits: tuple[tuple[int, int], ...] = ()
     # The last step of a job that finished (JOB_FINISHED); -1 while it runs.
     finished_step: int = -1
+    # The highest incarnation of any member forgotten: a host registering anew starts above it, so
+    # a message from a forgotten incarnation is never taken for a new one.
+    incarnation_floor: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "members": {h: m.to_dict() for h, m in sorted(self.members.items())},
+            "topology": self.topology.to_dict() if self.topology is not None else None,
+            "waiting_since": self.waiting_since,
+            "live_epoch": self.live_epoch,
+            "acks": dict(sorted(self.acks.items())),
+            "address_refused_epoch": self.address_refused_epoch,
+            "commits": [list(c) for c in self.commits],
+            "finished_step": self.finished_step,
+            "incarnation_floor": self.incarnation_floor,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ClusterState:
+        return cls(
+            members={h: Member.from_dict(m) for h, m in d["members"].items()},
+            topology=Topology.from_dict(d["topology"]) if d["topology"] else None,
+            waiting_since=d["waiting_since"],
+            live_epoch=int(d["live_epoch"]),
+            acks={h: int(e) for h, e in d["acks"].items()},
+            address_refused_epoch=int(d["address_refused_epoch"]),
+            commits=tuple((int(s), int(e)) for s, e in d["commits"]),
+            finished_step=int(d["finished_step"]),
+            incarnation_floor=int(d.get("incarnation_floor", 0)),
+        )
 
     @property
     def epoch(self) -> int:
@@ -265,6 +300,13 @@ class ClusterState:
 
 def apply(state: ClusterState, event: Event) -> ClusterState:
     """Fold one event into the state. Pure: the same inputs always give the same output."""
+    if event.type is EventType.LOG_COMPACTED:
+        return ClusterState.from_dict(json.loads(event.details["state"]))
+    if event.type is EventType.MEMBER_FORGOTTEN:
+        kept = {h: m for h, m in state.members.items() if h != event.host_id}
+        acks = {h: e for h, e in state.acks.items() if h != event.host_id}
+        floor = max(state.incarnation_floor, event.incarnation)
+        return replace(state, members=kept, acks=acks, incarnation_floor=floor)
     members = state.members
     if event.member is not None:
         members = {**members, event.member.host_id: event.member}

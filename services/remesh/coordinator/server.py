@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import re
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import structlog
@@ -24,6 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from remesh.coordinator import convert
+from remesh.coordinator.auth import Authorizer, identity_of
 from remesh.coordinator.errors import (
     Conflict,
     CoordinatorError,
@@ -31,9 +34,13 @@ from remesh.coordinator.errors import (
     JobFinished,
     NotFound,
     NotLeader,
+    PermissionDenied,
     Rejected,
+    ResourceExhausted,
     StoreUnavailable,
+    Unauthenticated,
 )
+from remesh.coordinator.feed import EventFeed, event_id_key
 from remesh.coordinator.membership import FaultKind, validate_host_id
 from remesh.coordinator.model import Event, EventType
 from remesh.coordinator.redis_connection import RedisConnection
@@ -43,6 +50,7 @@ from remesh.coordinator.store import RedisStore
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
 from remesh.v1.contract import FINISHED_METADATA, LEADER_METADATA
+from remesh.v1.security import Tls
 
 __all__ = ["FINISHED_METADATA", "LEADER_METADATA", "RunningCoordinator", "listen_host", "serve"]
 
@@ -57,6 +65,9 @@ _STATUS: list[tuple[type[CoordinatorError], grpc.StatusCode]] = [
     (StoreUnavailable, grpc.StatusCode.UNAVAILABLE),
     (Conflict, grpc.StatusCode.ABORTED),
     (NotLeader, grpc.StatusCode.UNAVAILABLE),
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
+    (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
 ]
 _COMMANDS = {
     "reregister": pb.COMMAND_REREGISTER,
@@ -114,19 +125,33 @@ def _lenient(cls: type[Message]) -> Callable[[bytes], object]:
     return parse
 
 
-def _unary(impl: Callable[..., Awaitable[object]]) -> Callable[..., Awaitable[object]]:
+async def _admit(auth: Authorizer, method: str, request: object, context: grpc.aio.ServicerContext) -> None:
+    """The caller may make this request (else the refusal's status); the request parsed (else
+    INVALID_ARGUMENT: asked only of a caller the policy lets call ``method`` at all)."""
+    host_id = None if isinstance(request, _Malformed) else getattr(request, "host_id", None)
+    try:
+        auth.check(context, method, host_id)
+    except CoordinatorError as exc:
+        await _abort(context, exc)
+    if isinstance(request, _Malformed):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+
+
+def _unary(
+    impl: Callable[..., Awaitable[object]], method: str, auth: Authorizer
+) -> Callable[..., Awaitable[object]]:
     async def handler(request: object, context: grpc.aio.ServicerContext) -> object:
-        if isinstance(request, _Malformed):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        await _admit(auth, method, request, context)
         return await impl(request, context)
 
     return handler
 
 
-def _server_stream(impl: Callable[..., AsyncIterator[object]]) -> Callable[..., AsyncIterator[object]]:
+def _server_stream(
+    impl: Callable[..., AsyncIterator[object]], method: str, auth: Authorizer
+) -> Callable[..., AsyncIterator[object]]:
     async def handler(request: object, context: grpc.aio.ServicerContext) -> AsyncIterator[object]:
-        if isinstance(request, _Malformed):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        await _admit(auth, method, request, context)
         async for reply in impl(request, context):
             yield reply
 
@@ -134,8 +159,10 @@ def _server_stream(impl: Callable[..., AsyncIterator[object]]) -> Callable[..., 
 
 
 def add_servicer(servicer: CoordinatorServicer, server: grpc.aio.Server) -> None:
-    """Like the generated ``add_CoordinatorServicer_to_server``, but a request that does not parse gets
-    INVALID_ARGUMENT with the reason (the generated code answers a bare UNKNOWN)."""
+    """Like the generated ``add_CoordinatorServicer_to_server``, but every call passes the access policy
+    first (``remesh.coordinator.auth``), and a request that does not parse gets INVALID_ARGUMENT with
+    the reason (the generated code answers a bare UNKNOWN). The heartbeat stream is checked by the
+    servicer, on its first message (the host it is for)."""
     service = pb.DESCRIPTOR.services_by_name["Coordinator"]
     handlers: dict[str, grpc.RpcMethodHandler] = {}
     for method in service.methods:
@@ -147,9 +174,13 @@ def add_servicer(servicer: CoordinatorServicer, server: grpc.aio.Server) -> None
         if method.client_streaming:
             handlers[method.name] = grpc.stream_stream_rpc_method_handler(impl, **kw)
         elif method.server_streaming:
-            handlers[method.name] = grpc.unary_stream_rpc_method_handler(_server_stream(impl), **kw)
+            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
+                _server_stream(impl, method.name, servicer.auth), **kw
+            )
         else:
-            handlers[method.name] = grpc.unary_unary_rpc_method_handler(_unary(impl), **kw)
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                _unary(impl, method.name, servicer.auth), **kw
+            )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
 
@@ -165,9 +196,53 @@ def _matches(event: Event, hosts: set[str], types: set[EventType], since: float)
     return (not types or event.type in types) and event.time >= since
 
 
+def _caller(context: grpc.aio.ServicerContext) -> str:
+    """Who is calling, for per-caller limits: the certificate's identity, else the peer's address."""
+    identity = identity_of(context.auth_context())
+    if identity is not None:
+        return str(identity)
+    peer = context.peer()  # "ipv4:127.0.0.1:54321", "ipv6:[::1]:54321", "unix:/path"
+    return peer.rsplit(":", 1)[0] if peer.startswith(("ipv4:", "ipv6:")) else peer
+
+
+@contextlib.asynccontextmanager
+async def _no_feed() -> AsyncIterator[None]:
+    yield None
+
+
+class StreamLimit:
+    """At most ``limit`` long-lived streams (event follows, topology watches) open per caller: a
+    client that opens them in a loop is refused, not served until memory runs out."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._open: Counter[str] = Counter()
+
+    @contextlib.contextmanager
+    def _held(self, caller: str) -> Iterator[None]:
+        try:
+            yield
+        finally:
+            self._open[caller] -= 1
+            if self._open[caller] <= 0:
+                del self._open[caller]
+
+    def take(self, caller: str) -> contextlib.AbstractContextManager[None]:
+        if self._open[caller] >= self.limit:
+            raise ResourceExhausted(
+                f"{caller} has {self._open[caller]} streams open (the limit is {self.limit}): close some first"
+            )
+        self._open[caller] += 1
+        return self._held(caller)
+
+
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
-    def __init__(self, coordinator: Coordinator) -> None:
+    def __init__(self, coordinator: Coordinator, auth: Authorizer, *, streams_per_caller: int = 16) -> None:
         self._c = coordinator
+        self.auth = auth
+        # One Redis reader for every follower of the event log.
+        self.feed = EventFeed(coordinator.store)
+        self._stream_limit = StreamLimit(streams_per_caller)
 
     async def Register(
         self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext
@@ -193,8 +268,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             first = await anext(aiter(request_iterator))
         except StopAsyncIteration:
             return
-        if isinstance(first, _Malformed):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, first.message)
+        await _admit(self.auth, "Heartbeat", first, context)
         try:
             await self._c.heartbeat(first.host_id, first.incarnation, first.step, _idle(first))
         except (Rejected, NotFound) as exc:
@@ -276,8 +350,19 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"after_epoch {request.after_epoch} is negative"
             )
-        async for topology in self._c.watch_topology(request.after_epoch):
-            yield convert.topology_to_pb(topology)
+        with await self._stream_slot(context):
+            async for topology in self._c.watch_topology(request.after_epoch):
+                yield convert.topology_to_pb(topology)
+
+    async def _stream_slot(
+        self, context: grpc.aio.ServicerContext
+    ) -> contextlib.AbstractContextManager[None]:
+        """One of the caller's long-lived streams (a follow, a watch); over its limit, RESOURCE_EXHAUSTED."""
+        try:
+            return self._stream_limit.take(_caller(context))
+        except CoordinatorError as exc:
+            await _abort(context, exc)
+            raise AssertionError("unreachable") from exc
 
     async def ListMembers(
         self, request: pb.ListMembersRequest, context: grpc.aio.ServicerContext
@@ -313,32 +398,35 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         try:
             if request.after_id and not _EVENT_ID.match(request.after_id):
                 raise ValueError(f"after_id {request.after_id!r} is not an event id like 1733150000000-0")
-            if request.since < 0:
-                raise ValueError(f"since {request.since} is negative")
+            if not math.isfinite(request.since) or request.since < 0:
+                raise ValueError(f"since {request.since} is not a time: seconds since the Unix epoch")
             types = {convert.event_type_from_pb(t) for t in request.types}
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         hosts = set(request.host_ids)
-        store = self._c.store
-        try:
-            events = await store.read_events(request.after_id, request.since)
-            # Follow on from exactly where the read stopped, so an event committed in between is not lost.
-            start = f"{max(0, int(request.since * 1000) - 1)}-0" if request.since else "0-0"
-            last = events[-1].id if events else (request.after_id or start)
-        except StoreUnavailable as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        for event in events:
-            if _matches(event, hosts, types, request.since):
-                yield convert.event_to_pb(event)
-        if not request.follow:
-            return
-        try:
-            async for batch in store.follow_events(last):
-                for event in batch:
-                    if _matches(event, hosts, types, request.since):
-                        yield convert.event_to_pb(event)
-        except StoreUnavailable as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        last = request.after_id
+        slot = await self._stream_slot(context) if request.follow else contextlib.nullcontext()
+        with slot:
+            try:
+                # Subscribed first, read second: nothing committed in between is missed; what both
+                # bring is sent once (ids only grow).
+                async with self.feed.subscribe() if request.follow else _no_feed() as feed:
+                    async for page in self._c.store.page_events(request.after_id, request.since):
+                        for event in page:
+                            if _matches(event, hosts, types, request.since):
+                                yield convert.event_to_pb(event)
+                        last = page[-1].id
+                    if feed is None:
+                        return
+                    while True:
+                        for event in await feed.next():
+                            if last and event_id_key(event.id) <= event_id_key(last):
+                                continue
+                            last = event.id
+                            if _matches(event, hosts, types, request.since):
+                                yield convert.event_to_pb(event)
+            except CoordinatorError as exc:
+                await _abort(context, exc)
 
     async def AckEpoch(
         self, request: pb.AckEpochRequest, context: grpc.aio.ServicerContext
@@ -417,23 +505,34 @@ class RunningCoordinator:
     server: grpc.aio.Server
     port: int
     metrics_port: int | None
+    feed: EventFeed
+    health: asyncio.Task[None]
+    # The plaintext port that serves the health service alone (``--health-port``), if any.
+    health_server: grpc.aio.Server | None = None
+    health_port: int | None = None
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
     async def stop(self, grace: float = 0.5) -> None:
+        self.health.cancel()
+        if self.health_server is not None:
+            await self.health_server.stop(None)
         await self.server.stop(grace)
+        await self.feed.close()
         await self.coordinator.stop()
 
     async def wait(self) -> None:
         await self.server.wait_for_termination()
 
 
-async def serve(settings: Settings) -> RunningCoordinator:
+async def serve(settings: Settings, tls: Tls | None) -> RunningCoordinator:
     """Load the job's state from Redis and serve the Coordinator, health and reflection services.
 
-    With ``settings.ha.enabled`` this is one replica of several: it leads only while it holds the lease.
+    With ``tls`` every client must present a certificate of the job's CA, and the access policy
+    applies; with None (``--insecure``) anyone reachable may do anything. With ``settings.ha.enabled``
+    this is one replica of several: it leads only while it holds the lease.
     """
     connection = RedisConnection(
         settings.redis_url, settings.redis_username, settings.redis_password, settings.redis_ca_file
@@ -441,14 +540,18 @@ async def serve(settings: Settings) -> RunningCoordinator:
     store = RedisStore(connection, settings.job_id)
     coordinator = Coordinator(settings, store)
     # Agents ping every half second to notice a dead link quickly: allow it, never count strikes.
+    # Heartbeat streams are RPCs too (one per agent): room for every member twice (a reconnect's old
+    # and new stream) and the operators; past that, gRPC answers RESOURCE_EXHAUSTED at once.
     server = grpc.aio.server(
+        maximum_concurrent_rpcs=2 * settings.max_members + 1024,
         options=[
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 100),
             ("grpc.http2.max_ping_strikes", 0),
             ("grpc.keepalive_permit_without_calls", 1),
-        ]
+        ],
     )
-    add_servicer(CoordinatorServicer(coordinator), server)
+    servicer = CoordinatorServicer(coordinator, Authorizer(coordinator.metrics, secure=tls is not None))
+    add_servicer(servicer, server)
     health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     service_name = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
@@ -457,7 +560,10 @@ async def serve(settings: Settings) -> RunningCoordinator:
         server,
     )
     try:
-        port = server.add_insecure_port(settings.listen)
+        if tls is None:
+            port = server.add_insecure_port(settings.listen)
+        else:
+            port = server.add_secure_port(settings.listen, tls.server_credentials())
     except RuntimeError:  # newer grpcio raises where older ones returned 0
         port = 0
     if port == 0:
@@ -472,8 +578,27 @@ async def serve(settings: Settings) -> RunningCoordinator:
         await store.close()
         raise
     await server.start()
-    for name in ("", service_name):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    if tls is None:
+        log.warning(
+            "serving WITHOUT TLS (--insecure): anyone who reaches this port may register as any host, "
+            "drain hosts and read every member and event; give --tls-ca/--tls-cert/--tls-key outside a "
+            "local experiment",
+            listen=settings.listen,
+        )
+    # "" (the process serves; liveness, readiness): SERVING while it runs. The Coordinator service's
+    # own name: SERVING only while this replica takes writes (it leads, Redis answers), so a load
+    # balancer or a probe asking for it finds the replica to send agents to.
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_task = asyncio.create_task(_report_health(coordinator, health_servicer, service_name))
+    health_server, health_port = None, None
+    if settings.health_port is not None:
+        # Kubelet probes cannot present a client certificate: health, and nothing else, in plaintext.
+        health_server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
+        health_port = health_server.add_insecure_port(
+            f"{listen_host(settings.listen)}:{settings.health_port}"
+        )
+        await health_server.start()
     metrics_port = (
         coordinator.metrics.serve(settings.metrics_port, addr=listen_host(settings.listen))
         if settings.metrics_port is not None
@@ -483,12 +608,32 @@ async def serve(settings: Settings) -> RunningCoordinator:
         "coordinator serving",
         port=port,
         metrics_port=metrics_port,
+        health_port=health_port,
         job=settings.job_id,
         redis=connection.redacted_url,
         ha=settings.ha.enabled,
+        tls=tls is not None,
         advertise=coordinator.advertise if settings.ha.enabled else None,
     )
-    return RunningCoordinator(coordinator, server, port, metrics_port)
+    return RunningCoordinator(
+        coordinator, server, port, metrics_port, servicer.feed, health_task, health_server, health_port
+    )
+
+
+async def _report_health(coordinator: Coordinator, health_servicer: Any, service_name: str) -> None:
+    """Keep the Coordinator service's health in step with whether this replica takes writes."""
+    said: bool | None = None
+    while True:
+        writable = coordinator.writable
+        if writable != said:
+            status = (
+                health_pb2.HealthCheckResponse.SERVING
+                if writable
+                else health_pb2.HealthCheckResponse.NOT_SERVING
+            )
+            await health_servicer.set(service_name, status)
+            said = writable
+        await asyncio.sleep(0.2)
 
 
 def _advertised(listen: str, port: int) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -125,6 +126,11 @@ class Coordinator:
     @property
     def leading(self) -> bool:
         return self.leadership.leading
+
+    @property
+    def writable(self) -> bool:
+        """Whether this replica can take writes now: it leads, and its store answers."""
+        return self.leading and not self._store_down
 
     @property
     def advertise(self) -> str:
@@ -297,6 +303,10 @@ class Coordinator:
                 epoch=event.epoch,
                 reason=event.reason,
             )
+            if event.type is EventType.MEMBER_FORGOTTEN:
+                for table in (self._liveness, self._steps, self._dirty_steps, self._stalls):
+                    table.pop(event.host_id, None)
+                self._idle.discard(event.host_id)
             member = event.member
             if member is not None and member.state is MemberState.JOINING:
                 self._liveness[member.host_id] = Liveness(member.incarnation, last_seen=now)
@@ -393,11 +403,43 @@ class Coordinator:
                 continue
             try:
                 await self._flush_progress()
+                await self._keep_bounded()
             except Fenced as exc:
                 log.error("progress write refused by the store: this replica was deposed", error=str(exc))
                 self._step_down(str(exc))
+            except (NotLeader, Conflict):
+                continue  # a newer writer, or a reload: the next round sees the new state
             except StoreUnavailable:
                 self.metrics.store_errors.inc()
+
+    async def _keep_bounded(self) -> None:
+        """Forget members gone for longer than the retention, and cut the event log once it is longer
+        than ``max_events`` (the state it folds to goes into the log first)."""
+        now = self._clock()
+        retention = self.settings.member_retention_s
+        if any(now - m.updated_at >= retention for m in membership.forgettable(self.state)):
+            await self._change(lambda s, t: membership.expire(t, s, retention))
+        if await self.store.event_count() <= self.settings.max_events:
+            return
+        async with self._lock:
+            if not self.leading:
+                return
+            folded = await self.store.event_count()
+            event = Event(
+                EventType.LOG_COMPACTED,
+                self._clock(),
+                self.state.epoch,
+                f"the event log was cut at {folded} events (--max-events {self.settings.max_events}): "
+                "this event holds the state they fold to",
+                details={"state": json.dumps(self.state.to_dict(), sort_keys=True, separators=(",", ":"))},
+            )
+            try:
+                stored = await self.store.compact(self._rev, event)
+            except Conflict:
+                self.state, self._rev = await self.store.load()
+                raise
+            self._rev += 1
+        await self._published([stored], now)
 
     async def _flush_progress(self) -> None:
         dirty, self._dirty_steps = self._dirty_steps, {}
@@ -415,7 +457,9 @@ class Coordinator:
 
     async def register(self, host_id: str, role: Role, device_count: int, address: str) -> Member:
         def transition(s: ClusterState, now: float) -> tuple[list[Event], Member]:
-            return membership.register(now, s, host_id, role, device_count, address, self._max_id)
+            return membership.register(
+                now, s, host_id, role, device_count, address, self._max_id, self.settings.max_members
+            )
 
         _, member = await self._change_with(transition)
         return self.state.members.get(host_id, member)

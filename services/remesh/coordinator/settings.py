@@ -116,8 +116,19 @@ class Settings:
     listen: str = "127.0.0.1:50051"
     # Prometheus /metrics on this port; None turns it off, 0 picks a free port.
     metrics_port: int | None = None
+    # The gRPC health service alone, in plaintext, on this port (for probes that cannot do mutual
+    # TLS, like the kubelet's); None turns it off, 0 picks a free port.
+    health_port: int | None = None
     # Longest accepted host id: ids end up in Redis keys, logs and metrics labels.
     max_id_length: int = 128
+    # Bounded state. At most this many members (a newcomer makes room by forgetting the oldest dead
+    # or left member; with none, it is refused): well above any job's hosts plus spares.
+    max_members: int = 4096
+    # A dead or left member is forgotten this long after it went (its history stays in the log).
+    member_retention_s: float = 3600.0
+    # Once the event log is longer than this, it is cut behind an event that holds the whole state:
+    # ~1 KiB an event, so about 100 MiB of Redis at most, and a replay that reads a bounded log.
+    max_events: int = 100_000
     detector: DetectorSettings = field(default_factory=DetectorSettings)
     planner: PlannerSettings = field(default_factory=PlannerSettings)
     ha: HaSettings = field(default_factory=HaSettings)

@@ -6,7 +6,7 @@ Layout (every key shares the hash tag ``{JOB}``, so a job lives in one Redis Clu
     remesh:{JOB}:topology   string  Topology JSON (its epoch inside)
     remesh:{JOB}:meta       hash    rev (commits so far), waiting_since, live_epoch,
                                     address_refused_epoch, checkpoints (accepted checkpoint
-                                    commits, JSON), finished_step
+                                    commits, JSON), finished_step, incarnation_floor
     remesh:{JOB}:acks       hash    host_id -> epoch acknowledged (current epoch's members)
     remesh:{JOB}:events     stream  one entry per Event, field "e" = Event JSON
     remesh:{JOB}:progress   hash    host_id -> last step (flushed in batches, not an event)
@@ -19,6 +19,9 @@ first checks the revision it was planned against: a writer that planned from an 
 refused (``Conflict``) and changes nothing. With several coordinator replicas (``fencing_token`` set)
 every write also checks that the lease still holds this writer's token: a deposed leader's write is
 refused (``Fenced``) and changes nothing.
+
+The event log is bounded: ``compact`` appends a ``log_compacted`` event that carries the whole state
+and cuts every event before it, in one script, so the log always replays to the stored state.
 """
 
 from __future__ import annotations
@@ -59,6 +62,10 @@ if rev ~= tonumber(ARGV[1]) then
 end
 local p = cjson.decode(ARGV[2])
 for host, m in pairs(p.members) do redis.call('HSET', KEYS[1], host, m) end
+for i, host in ipairs(p.forgotten) do
+  redis.call('HDEL', KEYS[1], host)
+  redis.call('HDEL', KEYS[7], host)
+end
 if p.topology ~= '' then redis.call('SET', KEYS[2], p.topology) end
 for k, v in pairs(p.meta) do
   if v == '' then redis.call('HDEL', KEYS[3], k) else redis.call('HSET', KEYS[3], k, v) end
@@ -69,6 +76,23 @@ local ids = {}
 for i, e in ipairs(p.events) do ids[i] = redis.call('XADD', KEYS[5], '*', 'e', e) end
 redis.call('HSET', KEYS[3], 'rev', rev + 1)
 return ids
+"""
+)
+
+# KEYS: meta, events, leader. ARGV: rev, the log_compacted event (JSON), token. Returns its id.
+_COMPACT = (
+    _FENCE
+    + """
+local refused = fenced(KEYS[3], ARGV[3])
+if refused then return refused end
+local rev = tonumber(redis.call('HGET', KEYS[1], 'rev') or '0')
+if rev ~= tonumber(ARGV[1]) then
+  return redis.error_reply('CONFLICT store is at revision ' .. rev .. ', the compaction was planned at ' .. ARGV[1])
+end
+local id = redis.call('XADD', KEYS[2], '*', 'e', ARGV[2])
+redis.call('XTRIM', KEYS[2], 'MINID', id)
+redis.call('HSET', KEYS[1], 'rev', rev + 1)
+return id
 """
 )
 
@@ -143,6 +167,7 @@ class RedisStore:
         prefix = f"remesh:{{{job_id}}}"
         self.keys = {name: f"{prefix}:{name}" for name in _KEYS}
         self._commit = self._redis.register_script(_COMMIT)
+        self._compact = self._redis.register_script(_COMPACT)
         self._write_progress = self._redis.register_script(_WRITE_PROGRESS)
         self._acquire = self._redis.register_script(_ACQUIRE)
         self._renew = self._redis.register_script(_RENEW)
@@ -185,6 +210,7 @@ class RedisStore:
             acks={h: int(e) for h, e in acks_raw.items()},
             commits=tuple((int(s), int(e)) for s, e in json.loads(meta.get("checkpoints") or "[]")),
             finished_step=int(meta.get("finished_step", -1)),
+            incarnation_floor=int(meta.get("incarnation_floor", 0)),
         )
         return state, int(meta.get("rev", 0))
 
@@ -208,6 +234,7 @@ class RedisStore:
             "meta": {},
             "acks": {h: e for h, e in after.acks.items() if before.acks.get(h) != e},
             "acks_clear": any(h not in after.acks for h in before.acks),
+            "forgotten": [h for h in before.members if h not in after.members],
             "events": [e.to_json() for e in events],
         }
         if after.waiting_since != before.waiting_since:
@@ -222,10 +249,12 @@ class RedisStore:
             payload["meta"]["checkpoints"] = json.dumps(after.commits)
         if after.finished_step != before.finished_step:
             payload["meta"]["finished_step"] = str(after.finished_step)
+        if after.incarnation_floor != before.incarnation_floor:
+            payload["meta"]["incarnation_floor"] = str(after.incarnation_floor)
         if payload["acks_clear"]:
             payload["acks"] = dict(after.acks)
         # cjson decodes {} and [] alike; an empty table is fine for both loops above.
-        keys = [self.keys[k] for k in ("members", "topology", "meta", "acks", "events", "leader")]
+        keys = [self.keys[k] for k in ("members", "topology", "meta", "acks", "events", "leader", "progress")]
         try:
             ids = await self._commit(keys=keys, args=[rev, json.dumps(payload), self._token_arg])
         except (redis.exceptions.RedisError, OSError) as exc:
@@ -245,6 +274,44 @@ class RedisStore:
             Event.from_json(fields["e"], event_id)
             for event_id, fields in cast(list[tuple[str, dict[str, str]]], entries)
         ]
+
+    async def page_events(
+        self, after_id: str = "", since: float = 0.0, page: int = 500
+    ) -> AsyncIterator[list[Event]]:
+        """The log from ``after_id`` (or ``since``) to its end as it is now, ``page`` events at a time:
+        a reader holds one page in memory, never the whole log."""
+        after = after_id
+        while True:
+            batch = await self.read_events(after, since if not after else 0.0, count=page)
+            if batch:
+                yield batch
+            if len(batch) < page:
+                return
+            after = batch[-1].id
+
+    async def last_event_id(self) -> str:
+        """The id of the newest event ("0-0" for an empty log)."""
+        try:
+            entries = await self._redis.xrevrange(self.keys["events"], count=1)
+        except (redis.exceptions.RedisError, OSError) as exc:
+            raise _translate(exc, self.url) from exc
+        return str(entries[0][0]) if entries else "0-0"
+
+    async def event_count(self) -> int:
+        try:
+            return int(await self._redis.xlen(self.keys["events"]))
+        except (redis.exceptions.RedisError, OSError) as exc:
+            raise _translate(exc, self.url) from exc
+
+    async def compact(self, rev: int, event: Event) -> Event:
+        """Append ``event`` (a ``log_compacted`` event carrying the state stored at ``rev``) and cut
+        every event before it; the revision moves on by one. Returns the event with its id."""
+        keys = [self.keys[k] for k in ("meta", "events", "leader")]
+        try:
+            event_id = await self._compact(keys=keys, args=[rev, event.to_json(), self._token_arg])
+        except (redis.exceptions.RedisError, OSError) as exc:
+            raise _translate(exc, self.url) from exc
+        return _with_id(event, event_id)
 
     async def follow_events(self, after_id: str, block_ms: int = 500) -> AsyncIterator[list[Event]]:
         """Yield batches of new events after ``after_id`` ("$": only new ones), forever."""

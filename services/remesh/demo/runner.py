@@ -258,7 +258,8 @@ class DemoRun:
 
     def _follow_events(self, address: str) -> None:
         while not self._stop.is_set():
-            channel = grpc.insecure_channel(address)
+            assert self.cluster is not None
+            channel = self.cluster.channel(address=address)
             try:
                 after = self.events[-1]["id"] if self.events else ""
                 call = pb_grpc.CoordinatorStub(channel).ReplayEvents(

@@ -1,5 +1,9 @@
 """A job on this machine as real processes: coordinators and agents started as ``python -m remesh.cli``.
 
+Mutual TLS is on unless asked otherwise: the cluster makes a throwaway CA in its directory and gives
+each coordinator, agent and client the certificate of its identity, so the secure path is the path
+the tests, the benchmarks and the demo take.
+
 Used by the tests, the benchmarks and the demo. Every process starts in its own session; a signal to
 a host reaches its process group and every process it started (an agent's trainers run in sessions
 of their own, see remesh.agent.supervisor), and ``close()`` kills every process this object started
@@ -22,9 +26,15 @@ from pathlib import Path
 
 import grpc
 
+from remesh.cli.certs import DevPki
 from remesh.embedded._process import bound_to_parent
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
+from remesh.v1.security import Role, Tls
+from remesh.v1.security import channel as secure_channel
+
+# The identity ``stub()`` and ``client_env()`` use: may read and drain.
+OPERATOR = "operator"
 
 
 def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.02) -> object:
@@ -128,8 +138,10 @@ class Proc:
 class LocalCluster:
     """Starts and tracks the processes of one job."""
 
-    def __init__(self, tmp_path: Path, redis_url: str, job: str) -> None:
+    def __init__(self, tmp_path: Path, redis_url: str, job: str, *, secure: bool = True) -> None:
         self.tmp = tmp_path
+        self.secure = secure
+        self._pki: DevPki | None = None
         self.redis_url = redis_url
         self.job = job
         self.procs: list[Proc] = []
@@ -139,10 +151,47 @@ class LocalCluster:
         self.addresses: list[str] = []
         self.agents: dict[str, Proc] = {}
         self._channel: grpc.Channel | None = None
+        self._channels: dict[tuple[Role, str], grpc.Channel] = {}
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def pki(self) -> DevPki | None:
+        """The job's CA, made in ``tmp_path/pki`` on first use (None: every process runs --insecure)."""
+        if self.secure and self._pki is None:
+            self._pki = DevPki(self.tmp / "pki")
+        return self._pki
+
+    def tls(self, role: Role, name: str) -> Tls | None:
+        """The files of identity ``role/name`` (issued on first use); None when the cluster is insecure."""
+        return self.pki.tls(role, name) if self.pki is not None else None
+
+    def tls_args(self, role: Role, name: str) -> list[str]:
+        """The flags that give a ``remesh`` process identity ``role/name``."""
+        tls = self.tls(role, name)
+        if tls is None:
+            return ["--insecure"]
+        return [
+            "--tls-ca",
+            str(tls.ca_file),
+            "--tls-cert",
+            str(tls.cert_file),
+            "--tls-key",
+            str(tls.key_file),
+        ]
+
+    def client_env(self, role: Role = Role.OPERATOR, name: str = OPERATOR) -> dict[str, str]:
+        """Environment for a ``remesh`` command run against this cluster as ``role/name``."""
+        tls = self.tls(role, name)
+        return {"REMESH_INSECURE": "1"} if tls is None else {**tls.env(), "REMESH_INSECURE": ""}
+
+    def channel(
+        self, role: Role = Role.OPERATOR, name: str = OPERATOR, address: str | None = None
+    ) -> grpc.Channel:
+        """A new channel to ``address`` (default: the coordinator) as identity ``role/name``."""
+        return secure_channel(address or self.address, self.tls(role, name))
 
     def start_coordinator(self, *extra: str, port: int = 0, env: dict[str, str] | None = None) -> Proc:
         port_file = self.tmp / f"coordinator-{len(self.procs)}.port"
@@ -150,6 +199,7 @@ class LocalCluster:
             sys.executable, "-m", "remesh.cli", "coordinator",
             "--redis", self.redis_url, "--job", self.job,
             "--listen", f"127.0.0.1:{port}", "--port-file", str(port_file), *extra,
+            *self._identity(extra, Role.COORDINATOR, f"coordinator-{len(self.procs)}"),
         ]  # fmt: skip
         proc = Proc(args, self.tmp / f"coordinator-{len(self.procs)}.log", env=env)
         self.procs.append(proc)
@@ -177,19 +227,37 @@ class LocalCluster:
         args = [
             sys.executable, "-m", "remesh.cli", "agent",
             "--coordinator", ",".join(self.addresses) or self.address, "--host-id", host_id, "--devices", "2", "--job", self.job,
-            *(["--spare"] if spare else []), *extra, "--", *trainer_cmd,
+            *(["--spare"] if spare else []), *extra, *self._identity(extra, Role.HOST, host_id),
+            "--", *trainer_cmd,
         ]  # fmt: skip
         proc = Proc(args, self.tmp / f"agent-{host_id}-{len(self.procs)}.log", env=env)
         self.procs.append(proc)
         self.agents[host_id] = proc
         return proc
 
+    def _identity(self, extra: Sequence[str], role: Role, name: str) -> list[str]:
+        # A caller that says how this process authenticates (a test of TLS itself) is not overridden.
+        if any(a == "--insecure" or a.startswith("--tls-") for a in extra):
+            return []
+        return self.tls_args(role, name)
+
     def stub(self) -> pb_grpc.CoordinatorStub:
+        """A stub of the coordinator, as the cluster's operator."""
         if self._channel is None:
-            self._channel = grpc.insecure_channel(self.address)
+            self._channel = self.channel()
         return pb_grpc.CoordinatorStub(self._channel)
 
+    def stub_as(self, role: Role, name: str) -> pb_grpc.CoordinatorStub:
+        """A stub of the coordinator as identity ``role/name`` (a channel of its own, closed by
+        ``reset_channel``)."""
+        if (role, name) not in self._channels:
+            self._channels[role, name] = self.channel(role, name)
+        return pb_grpc.CoordinatorStub(self._channels[role, name])
+
     def reset_channel(self) -> None:
+        for channel in self._channels.values():
+            channel.close()
+        self._channels = {}
         if self._channel is not None:
             self._channel.close()
             self._channel = None
