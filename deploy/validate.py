@@ -58,6 +58,8 @@ KUBERNETES_VERSION = "1.31.0"
 CUSTOM_RESOURCES = {
     ("jobset.x-k8s.io", "JobSet"): "JobSet (jobset.x-k8s.io)",
     ("monitoring.googleapis.com", "PodMonitoring"): "PodMonitoring (GKE Managed Prometheus)",
+    ("cert-manager.io", "Certificate"): "Certificate (cert-manager)",
+    ("cert-manager.io", "Issuer"): "Issuer (cert-manager)",
 }
 # kubernetes-validate reads and parses the schema files (megabytes of JSON) again for every object;
 # they never change, so keep them parsed: about 5x faster. Inert should the function move.
