@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import signal
 import stat
+import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -238,3 +239,40 @@ def test_the_trainers_local_api_is_a_socket_only_the_agents_user_can_reach(job: 
     agent.signal_group(signal.SIGTERM)
     wait_for(lambda: not agent.alive(), 20, "the agent to stop")
     assert not socket_path.parent.exists()  # removed on the way out
+
+
+@pytest.mark.integration
+def test_the_coordinator_takes_rotated_certificate_files_without_a_restart(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The coordinator's files are replaced in place (as cert-manager renews a mounted Secret): a new
+    connection gets the new certificate; the running process never restarts."""
+    old, new = DevPki(tmp_path / "old-ca"), DevPki(tmp_path / "new-ca")
+    mounted = tmp_path / "mounted"
+    mounted.mkdir()
+
+    def install(pki: DevPki) -> None:
+        tls = pki.tls(Role.COORDINATOR, "c0")
+        for source, name in ((tls.ca_file, "ca.pem"), (tls.cert_file, "cert.pem"), (tls.key_file, "key.pem")):
+            (mounted / f"{name}.tmp").write_bytes(source.read_bytes())
+            (mounted / f"{name}.tmp").replace(mounted / name)
+
+    install(old)
+    proc = cluster.start_coordinator(
+        "--world-size", "1", "--tls-ca", str(mounted / "ca.pem"),
+        "--tls-cert", str(mounted / "cert.pem"), "--tls-key", str(mounted / "key.pem"),
+    )  # fmt: skip
+
+    def topology_as(pki: DevPki) -> grpc.StatusCode | None:
+        with secure_channel(cluster.address, pki.tls(Role.READER, "r")) as channel:
+            code, _ = refused(
+                lambda: pb_grpc.CoordinatorStub(channel).GetTopology(pb.GetTopologyRequest(), timeout=3)
+            )
+        return code
+
+    assert topology_as(old) is None and topology_as(new) == grpc.StatusCode.UNAVAILABLE
+    time.sleep(0.05)  # a new modification time
+    install(new)
+    wait_for(lambda: topology_as(new) is None, 10, "the new certificate to be served")
+    assert topology_as(old) == grpc.StatusCode.UNAVAILABLE
+    assert proc.alive()
