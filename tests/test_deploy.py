@@ -209,6 +209,17 @@ def test_redis_keeps_an_append_only_file_on_a_volume_and_memorystore_replaces_it
     assert "remesh-redis" not in settings(memorystore)["redis-url"]
     egress = one(memorystore, "NetworkPolicy", "coordinator")["spec"]["egress"]
     assert [rule["to"][0]["ipBlock"]["cidr"] for rule in egress] == ["10.0.0.0/29"]
+    # Memorystore with in-transit encryption and AUTH: TLS verified by the instance's CA, no ACL user.
+    assert settings(memorystore)["redis-url"].startswith("rediss://")
+    assert [p["port"] for rule in egress for p in rule["ports"]] == [6378]
+    (coordinator,) = one(memorystore, "Deployment", "remesh-coordinator")["spec"]["template"]["spec"][
+        "containers"
+    ]
+    args = build_parser().parse_args(expand(coordinator["args"], coordinator["env"], settings(memorystore)))
+    mounts = {m["name"]: m["mountPath"] for m in coordinator["volumeMounts"]}
+    assert args.redis_ca_file == f"{mounts['redis-ca']}/server-ca.pem"
+    env = {e["name"] for e in coordinator["env"]}
+    assert "REMESH_REDIS_PASSWORD" in env and "REMESH_REDIS_USERNAME" not in env
 
 
 def redis_users(command: list[str]) -> list[list[str]]:
