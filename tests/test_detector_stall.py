@@ -13,7 +13,7 @@ def test_silence_the_coordinator_could_not_observe_is_credited() -> None:
     settings = Settings.local()
     state = ClusterState(members={"h": Member("h", 1, Role.ACTIVE, MemberState.ALIVE)})
     coordinator = Coordinator(settings, RedisStore("redis://127.0.0.1:9/0", "stall"), clock=lambda: 100.0)
-    coordinator._liveness = {"h": Liveness(1, last_seen=99.9)}
+    coordinator._liveness.set("h", Liveness(1, last_seen=99.9))
     # The event loop did not run for 2 s: without the credit the member looks 2.1 s silent.
     assert [v.state for v in judge(102.0, state, coordinator._liveness, settings.detector)] == [
         MemberState.DEAD

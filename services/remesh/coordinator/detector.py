@@ -16,8 +16,9 @@ grants every member a fresh deadline.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from remesh.coordinator.model import ClusterState, MemberState
 from remesh.coordinator.settings import DetectorSettings
@@ -32,6 +33,10 @@ class Liveness:
     last_seen: float
     not_before: float = 0.0
     stream_broken_at: float | None = None
+
+
+class _Lookup(Protocol):
+    def get(self, host_id: str, /) -> Liveness | None: ...
 
 
 @dataclass(frozen=True)
@@ -55,12 +60,23 @@ class Verdict:
 
 
 def judge(
-    now: float, state: ClusterState, liveness: Mapping[str, Liveness], settings: DetectorSettings
+    now: float,
+    state: ClusterState,
+    liveness: _Lookup,
+    settings: DetectorSettings,
+    hosts: Iterable[str] | None = None,
 ) -> list[Verdict]:
+    """Verdicts on ``hosts`` (every member when None; the coordinator passes only those whose
+    deadline came up, see ``remesh.coordinator.liveness``)."""
     verdicts: list[Verdict] = []
     if state.finished:
         return verdicts  # agents leave a finished job by closing their streams: nobody is judged
-    for member in state.members.values():
+    members = (
+        state.members.values()
+        if hosts is None
+        else [m for h in hosts if (m := state.members.get(h)) is not None]
+    )
+    for member in members:
         if not (member.state.is_up or member.state is MemberState.DRAINING):
             continue
         seen = liveness.get(member.host_id)

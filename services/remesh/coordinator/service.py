@@ -34,6 +34,7 @@ from remesh.coordinator.errors import (
     StoreUnavailable,
 )
 from remesh.coordinator.leadership import Leadership
+from remesh.coordinator.liveness import LivenessTable
 from remesh.coordinator.metrics import Metrics
 from remesh.coordinator.model import (
     ClusterState,
@@ -83,8 +84,19 @@ def _declare_all(now: float, state: ClusterState, verdicts: list[Verdict]) -> li
     """The events of every verdict, each checked against the state the ones before it produced."""
     events: list[Event] = []
     for v in verdicts:
-        events += membership.declare(now, replay(events, state), v.host_id, v.incarnation, v.state, v.reason)
+        found = membership.declare(now, state, v.host_id, v.incarnation, v.state, v.reason)
+        state = replay(found, state)
+        events += found
     return events
+
+
+@dataclass
+class _Ack:
+    """An acknowledgement waiting for the next batch commit."""
+
+    epoch: int
+    transition: Callable[[ClusterState, float], tuple[list[Event], bool]]
+    answer: asyncio.Future[bool]
 
 
 class Coordinator:
@@ -96,7 +108,7 @@ class Coordinator:
         self._lock = asyncio.Lock()
         self.state = ClusterState()
         self._rev = 0
-        self._liveness: dict[str, Liveness] = {}
+        self._liveness = LivenessTable(settings.detector)
         self._steps: dict[str, int] = {}
         self._dirty_steps: dict[str, int] = {}
         # Trainers their agents reported blocked in a step, and hosts whose trainer their agent saw
@@ -107,6 +119,9 @@ class Coordinator:
         # a moment, and a second stream (a reconnect, or anyone with the incarnation) ending says
         # nothing about the host while another one still carries its heartbeats.
         self._streams: dict[str, list[AgentStream]] = {}
+        # Acknowledgements waiting for the next batch commit, and the task that commits them.
+        self._acks: list[_Ack] = []
+        self._ack_writer: asyncio.Task[None] | None = None
         self._topology_changed = asyncio.Condition()
         self._tasks: list[asyncio.Task[None]] = []
         self._store_down = False
@@ -213,7 +228,7 @@ class Coordinator:
     def _step_down(self, reason: str) -> None:
         if not self.leadership.stepped_down(reason):
             return
-        self._liveness = {}
+        self._liveness.clear()
         self._dirty_steps = {}
         # Agents streaming to this replica must find the new leader.
         for stream in self._every_stream():
@@ -238,11 +253,10 @@ class Coordinator:
     def _grant_all(self, now: float) -> None:
         """Give every present member a fresh deadline: nobody is judged on silence we did not watch."""
         grace = self.settings.detector.failover_grace_s
-        self._liveness = {
-            m.host_id: Liveness(m.incarnation, last_seen=now, not_before=now + grace)
-            for m in self.state.members.values()
-            if m.state.is_up or m.state is MemberState.DRAINING
-        }
+        self._liveness.clear()
+        for m in self.state.members.values():
+            if m.state.is_up or m.state is MemberState.DRAINING:
+                self._liveness.set(m.host_id, Liveness(m.incarnation, last_seen=now, not_before=now + grace))
 
     # ---- the one write path ----------------------------------------------------------------------
 
@@ -304,14 +318,15 @@ class Coordinator:
                 reason=event.reason,
             )
             if event.type is EventType.MEMBER_FORGOTTEN:
-                for table in (self._liveness, self._steps, self._dirty_steps, self._stalls):
+                self._liveness.pop(event.host_id)
+                for table in (self._steps, self._dirty_steps, self._stalls):
                     table.pop(event.host_id, None)
                 self._idle.discard(event.host_id)
             member = event.member
             if member is not None and member.state is MemberState.JOINING:
-                self._liveness[member.host_id] = Liveness(member.incarnation, last_seen=now)
+                self._liveness.set(member.host_id, Liveness(member.incarnation, last_seen=now))
             if member is not None and member.state in (MemberState.DEAD, MemberState.LEFT):
-                self._liveness.pop(member.host_id, None)
+                self._liveness.pop(member.host_id)
                 self._idle.discard(member.host_id)
                 self._send(member.host_id, member.incarnation, "reregister", member.reason)
             if member is not None and member.state is MemberState.DRAINING:
@@ -365,7 +380,7 @@ class Coordinator:
         log.warning(
             "detector stalled; not counting the stall as members' silence", stalled_s=round(seconds, 3)
         )
-        self._liveness = {h: replace(s, last_seen=s.last_seen + seconds) for h, s in self._liveness.items()}
+        self._liveness.shift(seconds)
 
     async def detect_once(self) -> None:
         if not self.leading:
@@ -377,7 +392,13 @@ class Coordinator:
             self._grant_all(self._clock())
             self._store_log("store reachable again; every member granted a fresh deadline")
         now = self._clock()
-        verdicts = judge(now, self.state, self._liveness, self.settings.detector) + judge_stalls(
+        # Only the members whose deadline came up are looked at (remesh.coordinator.liveness).
+        due = self._liveness.due(now)
+        silent = judge(now, self.state, self._liveness, self.settings.detector, hosts=due)
+        judged = {v.host_id for v in silent}
+        for host_id in due:
+            self._liveness.reschedule(host_id, now, judged=host_id in judged)
+        verdicts = silent + judge_stalls(
             now, self.state, self._stalls, self._steps, self.settings.detector, self._idle
         )
         if verdicts:
@@ -475,11 +496,7 @@ class Coordinator:
         now = self._clock()
         self.metrics.heartbeats.inc()
         events = membership.heartbeat(now, self.state, host_id, incarnation, self._max_id)
-        seen = self._liveness.get(host_id)
-        if seen is not None and seen.incarnation == incarnation:
-            self._liveness[host_id] = replace(seen, last_seen=now)
-        else:
-            self._liveness[host_id] = Liveness(incarnation, last_seen=now)
+        self._liveness.heard(host_id, incarnation, now)
         if self._steps.get(host_id, -1) != step and not self.state.finished:
             # Once the job finished its steps are final (an exiting agent's last beats change nothing).
             # -1 comes from an agent whose trainer has reported nothing yet: a host that came back
@@ -495,7 +512,7 @@ class Coordinator:
         self._streams.setdefault(host_id, []).append(stream)
         seen = self._liveness.get(host_id)
         if seen is not None and seen.incarnation == incarnation:
-            self._liveness[host_id] = replace(seen, stream_broken_at=None)
+            self._liveness.set(host_id, replace(seen, stream_broken_at=None))
         if self.state.finished:
             stream.commands.put_nowait(("finished", self._finished_reason()))
         return stream
@@ -517,7 +534,7 @@ class Coordinator:
             return
         seen = self._liveness.get(stream.host_id)
         if seen is not None and seen.incarnation == stream.incarnation and seen.stream_broken_at is None:
-            self._liveness[stream.host_id] = replace(seen, stream_broken_at=self._clock())
+            self._liveness.set(stream.host_id, replace(seen, stream_broken_at=self._clock()))
 
     async def leave(self, host_id: str, incarnation: int, reason: str) -> Member:
         await self._change(lambda s, t: membership.leave(t, s, host_id, incarnation, reason, self._max_id))
@@ -581,8 +598,49 @@ class Coordinator:
                 restored_bytes=restored_bytes,
             )
 
-        _, live = await self._change_with(transition)
-        return live
+        ack = _Ack(epoch, transition, asyncio.get_running_loop().create_future())
+        self._acks.append(ack)
+        if self._ack_writer is None or self._ack_writer.done():
+            self._ack_writer = asyncio.create_task(self._commit_acks(), name="acks")
+        return await ack.answer
+
+    async def _commit_acks(self) -> None:
+        """Every acknowledgement that arrived while the last commit was under way, in one commit: a
+        new epoch of N members is N acknowledgements at once, and one commit each made the last wait
+        for all the others' round trips to Redis."""
+        while self._acks:
+            batch, self._acks = self._acks, []
+
+            def transition(
+                s: ClusterState, now: float, batch: list[_Ack] = batch
+            ) -> tuple[list[Event], list[CoordinatorError | None]]:
+                events: list[Event] = []
+                refusals: list[CoordinatorError | None] = []
+                for ack in batch:
+                    try:
+                        found, _ = ack.transition(s, now)
+                    except CoordinatorError as exc:
+                        refusals.append(exc)
+                        continue
+                    refusals.append(None)
+                    s = replay(found, s)
+                    events += found
+                return events, refusals
+
+            try:
+                _, refusals = await self._change_with(transition)
+            except Exception as exc:  # the whole commit failed (Redis down, deposed): everyone hears it
+                for ack in batch:
+                    if not ack.answer.done():
+                        ack.answer.set_exception(exc)
+                continue
+            for ack, refusal in zip(batch, refusals, strict=True):
+                if ack.answer.done():
+                    continue  # the caller went away
+                if refusal is not None:
+                    ack.answer.set_exception(refusal)
+                else:
+                    ack.answer.set_result(self.state.live_epoch >= ack.epoch)
 
     async def commit_checkpoint(
         self, host_id: str, incarnation: int, epoch: int, step: int, tier: str

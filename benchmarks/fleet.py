@@ -1,0 +1,345 @@
+"""A fleet of simulated agents that speak the real protocol to a real coordinator.
+
+Each simulator process runs hundreds to thousands of agents on one asyncio loop. Every simulated
+agent is what a real agent is to the coordinator: its own gRPC channel with its own certificate
+(``host/<id>``, mutual TLS), a registration, a heartbeat stream at the interval the coordinator
+asks for, an acknowledgement of each epoch it is a member of, and a new registration when told.
+It trains nothing. On command it fails the way hosts fail:
+
+- ``crash``: the process is gone; its stream and connection close at once;
+- ``silent``: it stops sending but keeps the connection (a stopped process, a hung host);
+- ``resume``: a silent agent sends again (and registers again if it was declared dead).
+
+The orchestrator (``Fleet``, used by ``tests/test_fleet.py`` and ``benchmarks/scale.py``) starts the
+processes, sends them commands on stdin and reads what they saw on stdout, one JSON line each:
+``{"ready": N}`` once every agent of the process is registered and streaming, then
+``{"host": H, "epoch": E, "t": T}`` for each topology an agent received (T: wall-clock time) and
+``{"beats": N, "t": T}`` every second. Run a simulator by hand with ``python benchmarks/fleet.py
+--help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from remesh.v1 import coordinator_pb2 as pb  # noqa: E402
+from remesh.v1 import coordinator_pb2_grpc as pb_grpc  # noqa: E402
+from remesh.v1.security import Tls, aio_channel  # noqa: E402
+
+__all__ = ["Fleet", "host_ids"]
+
+
+def host_ids(count: int, prefix: str = "sim") -> list[str]:
+    return [f"{prefix}-{i:05d}" for i in range(count)]
+
+
+# ---- one simulator process ----------------------------------------------------------------------
+
+
+def _emit(doc: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(doc, separators=(",", ":")) + "\n")
+    sys.stdout.flush()
+
+
+class SimAgent:
+    def __init__(self, host_id: str, spare: bool, address: str, tls: Tls | None, beats: list[int]) -> None:
+        self.host_id = host_id
+        self.spare = spare
+        self.address = address
+        self.tls = tls
+        self.silent = asyncio.Event()  # set: send nothing
+        self.speaking = asyncio.Event()
+        self.speaking.set()
+        self.crashed = False
+        self.registered = asyncio.Event()
+        self._beats = beats
+        self._task: asyncio.Task[None] | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self._acks: set[asyncio.Task[None]] = set()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=self.host_id)
+
+    async def crash(self) -> None:
+        self.crashed = True
+        if self._task is not None:
+            self._task.cancel()
+        if self._channel is not None:
+            await self._channel.close(grace=None)
+
+    def go_silent(self) -> None:
+        self.speaking.clear()
+
+    def resume(self) -> None:
+        self.speaking.set()
+
+    async def _run(self) -> None:
+        while not self.crashed:
+            self._channel = aio_channel(self.address, self.tls)
+            stub = pb_grpc.CoordinatorStub(self._channel)
+            try:
+                await self._session(stub)
+            except grpc.aio.AioRpcError:
+                await asyncio.sleep(0.2 + random.random() * 0.3)  # as an agent backs off
+            finally:
+                await self._channel.close(grace=None)
+
+    async def _session(self, stub: pb_grpc.CoordinatorStub) -> None:
+        role = pb.ROLE_SPARE if self.spare else pb.ROLE_ACTIVE
+        reply = await stub.Register(
+            pb.RegisterRequest(host_id=self.host_id, role=role, device_count=1, address="127.0.0.1"),
+            timeout=30,
+        )
+        incarnation = reply.member.incarnation
+        interval = reply.heartbeat_interval_s or 1.0
+        self.registered.set()
+
+        async def beats() -> Any:
+            # Spread over the interval, as agents started at different moments are.
+            await asyncio.sleep(random.random() * interval)
+            while True:
+                await self.speaking.wait()
+                self._beats[0] += 1
+                yield pb.HeartbeatRequest(
+                    host_id=self.host_id, incarnation=incarnation, trainer_status=pb.TRAINER_STATUS_RUNNING
+                )
+                await asyncio.sleep(interval)
+
+        call = stub.Heartbeat(beats())
+        async for message in call:
+            if message.HasField("topology") and message.topology.epoch:
+                topology = message.topology
+                _emit({"host": self.host_id, "epoch": topology.epoch, "t": time.time()})
+                member = any(m.host_id == self.host_id for m in topology.members)
+                if member and self.speaking.is_set():  # a silent host acknowledges nothing
+                    ack = asyncio.create_task(self._ack(stub, incarnation, topology.epoch))
+                    self._acks.add(ack)
+                    ack.add_done_callback(self._acks.discard)
+            if message.command in (pb.COMMAND_REREGISTER, pb.COMMAND_DRAIN):
+                return  # register again (a drained host would leave; the simulator keeps it simple)
+            if message.command == pb.COMMAND_FINISHED:
+                self.crashed = True
+                return
+
+    async def _ack(self, stub: pb_grpc.CoordinatorStub, incarnation: int, epoch: int) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await stub.AckEpoch(
+                pb.AckEpochRequest(
+                    host_id=self.host_id,
+                    incarnation=incarnation,
+                    epoch=epoch,
+                    restored_step=-1,
+                    restore_source="sim",
+                ),
+                timeout=30,
+            )
+
+
+async def _simulate(args: argparse.Namespace) -> None:
+    hosts = [h for h in args.hosts.split(",") if h]
+    spares = set(h for h in args.spares.split(",") if h)
+    pki = Path(args.pki) if args.pki else None
+    beats = [0]
+    agents = {
+        h: SimAgent(
+            h,
+            h in spares,
+            args.coordinator,
+            Tls(pki / "ca.pem", pki / f"host-{h}.pem", pki / f"host-{h}-key.pem") if pki else None,
+            beats,
+        )
+        for h in hosts
+    }
+    for agent in agents.values():
+        agent.start()
+        await asyncio.sleep(args.start_spread / max(1, len(agents)))
+    await asyncio.gather(*(a.registered.wait() for a in agents.values()))
+    _emit({"ready": len(agents)})
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+
+    async def report() -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            _emit({"beats": beats[0], "t": time.time()})
+
+    reporting = asyncio.create_task(report())
+    while line := await reader.readline():
+        command, *names = line.decode().split()
+        chosen = [agents[n] for n in names if n in agents]
+        if command == "crash":
+            await asyncio.gather(*(a.crash() for a in chosen))
+        elif command == "silent":
+            for a in chosen:
+                a.go_silent()
+        elif command == "resume":
+            for a in chosen:
+                a.resume()
+        elif command == "stop":
+            break
+        _emit({"done": command, "n": len(chosen), "t": time.time()})
+    reporting.cancel()
+    await asyncio.gather(*(a.crash() for a in agents.values()), return_exceptions=True)
+
+
+# ---- the orchestrator ----------------------------------------------------------------------------
+
+
+@dataclass
+class Fleet:
+    """Simulated agents in ``processes`` simulator processes, talking to ``coordinator``.
+
+    ``pki``: a ``remesh.cli.certs.DevPki`` whose CA the coordinator trusts (each agent gets its own
+    certificate), or None for an insecure coordinator."""
+
+    coordinator: str
+    hosts: Sequence[str]
+    spares: Sequence[str] = ()
+    processes: int = 2
+    pki: Any = None
+    start_spread_s: float = 2.0
+    arrivals: dict[int, dict[str, float]] = field(default_factory=dict)
+    beats: list[tuple[float, int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._procs: list[subprocess.Popen[str]] = []
+        self._owner: dict[str, subprocess.Popen[str]] = {}
+        self._ready = 0
+        self._done: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._beats_by_proc: dict[int, tuple[float, int]] = {}
+
+    def start(self, timeout: float = 300.0) -> None:
+        everyone = [*self.hosts, *self.spares]
+        if self.pki is not None:
+            from remesh.v1.security import Role
+
+            for h in everyone:
+                self.pki.tls(Role.HOST, h)
+        shards = [everyone[i :: self.processes] for i in range(self.processes)]
+        for shard in shards:
+            args = [
+                sys.executable, str(Path(__file__).resolve()), "--coordinator", self.coordinator,
+                "--hosts", ",".join(shard), "--spares", ",".join(h for h in shard if h in set(self.spares)),
+                "--start-spread", str(self.start_spread_s),
+            ]  # fmt: skip
+            if self.pki is not None:
+                args += ["--pki", str(self.pki.directory)]
+            proc = subprocess.Popen(
+                args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+            )
+            self._procs.append(proc)
+            for h in shard:
+                self._owner[h] = proc
+            threading.Thread(target=self._read, args=(proc,), daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while self._ready < len(self._procs):
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{self._ready} of {len(self._procs)} simulators ready after {timeout:.0f}s"
+                )
+            if any(p.poll() is not None for p in self._procs):
+                raise RuntimeError("a simulator exited before its agents were ready")
+            time.sleep(0.1)
+
+    def _read(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            doc = json.loads(line)
+            with self._lock:
+                if "ready" in doc:
+                    self._ready += 1
+                elif "host" in doc:
+                    self.arrivals.setdefault(doc["epoch"], {}).setdefault(doc["host"], doc["t"])
+                elif "beats" in doc:
+                    self._beats_by_proc[proc.pid] = (doc["t"], doc["beats"])
+                    self.beats.append((doc["t"], sum(b for _, b in self._beats_by_proc.values())))
+                elif "done" in doc:
+                    self._done.append(doc)
+
+    def command(self, command: str, hosts: Sequence[str]) -> float:
+        """Send ``command`` to the agents ``hosts`` at once; returns when the last simulator did it."""
+        by_proc: dict[subprocess.Popen[str], list[str]] = {}
+        for h in hosts:
+            by_proc.setdefault(self._owner[h], []).append(h)
+        with self._lock:
+            before = len(self._done)
+        for proc, names in by_proc.items():
+            assert proc.stdin is not None
+            proc.stdin.write(f"{command} {' '.join(names)}\n")
+            proc.stdin.flush()
+        deadline = time.monotonic() + 30
+        while True:
+            with self._lock:
+                done = self._done[before:]
+            if len(done) >= len(by_proc):
+                return max(d["t"] for d in done)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"simulators did not carry out {command!r}")
+            time.sleep(0.01)
+
+    def received(self, epoch: int) -> dict[str, float]:
+        with self._lock:
+            return dict(self.arrivals.get(epoch, {}))
+
+    def heartbeat_rate(self, seconds: float = 5.0) -> float:
+        """Heartbeats sent per second by the whole fleet over the last ``seconds``."""
+        with self._lock:
+            samples = list(self.beats)
+        if len(samples) < 2:
+            return 0.0
+        end_t, end_n = samples[-1]
+        start = next(((t, n) for t, n in samples if t >= end_t - seconds), samples[0])
+        return (end_n - start[1]) / max(1e-9, end_t - start[0])
+
+    def close(self) -> None:
+        for proc in self._procs:
+            with contextlib.suppress(OSError, ValueError):
+                assert proc.stdin is not None
+                proc.stdin.write("stop\n")
+                proc.stdin.flush()
+        for proc in self._procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--coordinator", required=True, help="host:port of the coordinator")
+    parser.add_argument("--hosts", required=True, help="comma-separated host ids this process simulates")
+    parser.add_argument("--spares", default="", help="which of them register as spares")
+    parser.add_argument(
+        "--pki", default="", help="directory of a `remesh certs` CA with host-<id> certificates"
+    )
+    parser.add_argument("--start-spread", type=float, default=2.0, help="seconds over which agents start")
+    args = parser.parse_args()
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+    asyncio.run(_simulate(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

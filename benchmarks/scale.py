@@ -1,0 +1,258 @@
+"""One coordinator against fleets of simulated agents (benchmarks/fleet.py): what it holds, measured.
+
+For each fleet size: an embedded redis-server, one coordinator process with mutual TLS, and the
+simulated agents (a tenth of them hot spares), each with its own certificate, channel, registration
+and heartbeat stream, in two simulator processes. All of it shares this machine's cores with the
+coordinator: the figures are the coordinator's on a machine that is also running the whole fleet.
+
+Per size: heartbeat ingest rate, coordinator CPU (cores, over a steady window), Redis memory, crash
+detection (SIGKILL-like: a simulated agent's connection closes -> member_dead), silent detection (an
+agent stops sending -> member_dead), false positives (anyone else declared dead), fan-out (the new
+epoch's topology event -> every simulated agent holding it), and one correlated failure (a tenth of
+the active hosts at once: epochs published, time to the new epoch live).
+
+The heartbeat interval grows with the fleet (``interval_for``): a coordinator ingests about
+``--beats-per-second`` heartbeats whatever the size; crash detection does not wait for heartbeats
+(the closed stream is the signal), silent detection does (six intervals).
+
+    python benchmarks/scale.py [--hosts 1000,2000] [--crashes 5] [--silent 3]
+
+Prints a table and, last, one JSON line for the largest size with hosts, crash_detect_p99_s,
+silent_detect_p99_s, fanout_p99_s, false_positives, coordinator_cpu_cores,
+epochs_for_correlated_failure (and more).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import redis
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.fleet import Fleet, host_ids  # noqa: E402
+from remesh.cli.logs import configure_logging  # noqa: E402
+from remesh.embedded import RedisServer  # noqa: E402
+from remesh.embedded.cluster import LocalCluster, wait_for  # noqa: E402
+from remesh.v1 import coordinator_pb2 as pb  # noqa: E402
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def interval_for(hosts: int, beats_per_second: float) -> float:
+    """The heartbeat interval that keeps the fleet's heartbeats near ``beats_per_second`` (never
+    below the local preset's 0.1 s)."""
+    return max(0.1, round(hosts / beats_per_second, 2))
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)] if ordered else float("nan")
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime + stime
+
+
+class Run:
+    def __init__(self, tmp: Path, redis_server: RedisServer, hosts: int, beats_per_second: float) -> None:
+        self.job = f"scale-{uuid.uuid4().hex[:8]}"
+        self.redis_server = redis_server
+        self.cluster = LocalCluster(tmp / self.job, redis_server.url, self.job)
+        (tmp / self.job).mkdir(parents=True)
+        self.spares = host_ids(hosts // 10, "spare")
+        self.active = host_ids(hosts - len(self.spares))
+        self.interval = interval_for(hosts, beats_per_second)
+        self.hosts = hosts
+        self.fleet: Fleet | None = None
+
+    def start(self) -> None:
+        proc = self.cluster.start_coordinator(
+            "--world-size", str(len(self.active)), "--heartbeat-interval", str(self.interval),
+            "--max-members", str(2 * self.hosts), "--jax-port-span", "20000", "--jax-port-base", "30000",
+        )  # fmt: skip
+        self.pid = proc.pid
+        progress(
+            f"  {self.hosts} hosts: issuing certificates, starting simulators (interval {self.interval} s)"
+        )
+        self.fleet = Fleet(
+            self.cluster.address,
+            self.active,
+            self.spares,
+            processes=2,
+            pki=self.cluster.pki,
+            start_spread_s=max(2.0, self.hosts / 500),
+        )
+        self.fleet.start(timeout=600)
+        self.cluster.wait_epoch(1, timeout=300)
+        wait_for(lambda: self.live(1), 300, "epoch 1 live")
+
+    def events(self, types: list[Any], since: float = 0.0) -> list[pb.Event]:
+        return list(
+            self.cluster.stub().ReplayEvents(pb.ReplayEventsRequest(types=types, since=since), timeout=60)
+        )
+
+    def live(self, epoch: int) -> bool:
+        return any(e.epoch == epoch for e in self.events([pb.EVENT_TYPE_EPOCH_LIVE]))
+
+    def steady(self, seconds: float) -> dict[str, float]:
+        assert self.fleet is not None
+        c0, t0 = cpu_seconds(self.pid), time.monotonic()
+        time.sleep(seconds)
+        cores = (cpu_seconds(self.pid) - c0) / (time.monotonic() - t0)
+        client = redis.Redis.from_url(self.redis_server.url)
+        try:
+            memory = int(client.info("memory")["used_memory"])
+        finally:
+            client.close()
+        return {
+            "ingest_per_s": self.fleet.heartbeat_rate(seconds),
+            "cpu_cores": cores,
+            "redis_mb": memory / 2**20,
+        }
+
+    def fail(self, how: str, victims: list[str]) -> tuple[float, pb.Topology]:
+        """Fail ``victims`` at once; returns when the fleet did it and the topology that replaced them."""
+        assert self.fleet is not None
+        before = self.cluster.topology().epoch
+        t = self.fleet.command(how, victims)
+        topology = wait_for(
+            lambda: (tp := self.cluster.topology()).epoch > before and tp, 120, f"an epoch after {how}"
+        )
+        return t, topology  # type: ignore[return-value]
+
+    def detection(self, victim: str, t: float) -> float:
+        dead = wait_for(
+            lambda: [e for e in self.events([pb.EVENT_TYPE_MEMBER_DEAD], since=t - 1) if e.host_id == victim],
+            120,
+            f"{victim} declared dead",
+        )
+        return float(dead[0].time - t)  # type: ignore[index]
+
+    def fanout(self, topology: pb.Topology, expect: set[str]) -> float:
+        assert self.fleet is not None
+        published = next(
+            e.time for e in self.events([pb.EVENT_TYPE_TOPOLOGY_CHANGED]) if e.epoch == topology.epoch
+        )
+        arrivals = wait_for(
+            lambda: expect <= set(got := self.fleet.received(topology.epoch)) and got,  # type: ignore[union-attr]
+            120,
+            f"epoch {topology.epoch} at every agent",
+        )
+        return percentile([arrivals[h] - published for h in expect], 99)  # type: ignore[index]
+
+    def up(self) -> set[str]:
+        return {h for h, m in self.cluster.members().items() if m.state == pb.MEMBER_STATE_ALIVE}
+
+    def close(self) -> None:
+        if self.fleet is not None:
+            self.fleet.close()
+        self.cluster.close()
+
+
+def measure(run: Run, crashes: int, silents: int, rng: random.Random) -> dict[str, Any]:
+    started = time.time()
+    run.start()
+    progress(f"  {run.hosts} hosts: formed in {time.time() - started:.0f}s; steady window")
+    result: dict[str, Any] = {"hosts": run.hosts, "heartbeat_interval_s": run.interval}
+    result.update(run.steady(10.0))
+    lost: set[str] = set()
+    crash: list[float] = []
+    silent: list[float] = []
+    fanout: list[float] = []
+    for kind, count in (("crash", crashes), ("silent", silents)):
+        for i in range(count):
+            victim = rng.choice([m.host_id for m in run.cluster.topology().members])
+            t, topology = run.fail(kind, [victim])
+            lost.add(victim)
+            (crash if kind == "crash" else silent).append(run.detection(victim, t))
+            fanout.append(run.fanout(topology, run.up() - lost))
+            progress(
+                f"  {run.hosts} hosts: {kind} {i + 1}/{count}: dead after {(crash if kind == 'crash' else silent)[-1]:.3f}s, "
+                f"fan-out p99 {fanout[-1]:.3f}s"
+            )
+    members = [m.host_id for m in run.cluster.topology().members]
+    victims = rng.sample(members, len(members) // 10)
+    before = run.cluster.topology().epoch
+    t, topology = run.fail("crash", victims)
+    lost |= set(victims)
+    wait_for(lambda: run.live(topology.epoch), 120, "the epoch after the correlated failure live")
+    live_at = next(e.time for e in run.events([pb.EVENT_TYPE_EPOCH_LIVE]) if e.epoch == topology.epoch)
+    time.sleep(3.0)  # anything late would show now
+    epochs = [e for e in run.events([pb.EVENT_TYPE_TOPOLOGY_CHANGED]) if e.epoch > before]
+    dead = {e.host_id for e in run.events([pb.EVENT_TYPE_MEMBER_DEAD])}
+    result.update(
+        {
+            "crash_detect_p50_s": round(percentile(crash, 50), 3),
+            "crash_detect_p99_s": round(percentile(crash, 99), 3),
+            "silent_detect_p99_s": round(percentile(silent, 99), 3),
+            "fanout_p99_s": round(max(fanout), 3),
+            "false_positives": len(dead - lost),
+            "correlated_failure_hosts": len(victims),
+            "epochs_for_correlated_failure": len(epochs),
+            "correlated_failure_to_live_s": round(live_at - t, 3),
+        }
+    )
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--hosts", default="1000,2000", help="fleet sizes, comma-separated")
+    parser.add_argument("--crashes", type=int, default=5, help="single-host crashes per size")
+    parser.add_argument("--silent", type=int, default=3, help="single-host silences per size")
+    parser.add_argument(
+        "--beats-per-second", type=float, default=1000.0, help="fleet heartbeat rate aimed at"
+    )
+    parser.add_argument("--seed", type=int, default=5)
+    args = parser.parse_args()
+    configure_logging(level="warning")
+    rng = random.Random(args.seed)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="remesh-scale-") as tmp:
+        for hosts in (int(h) for h in args.hosts.split(",")):
+            with RedisServer(appendonly=False) as redis_server:
+                run = Run(Path(tmp), redis_server, hosts, args.beats_per_second)
+                try:
+                    results.append(measure(run, args.crashes, args.silent, rng))
+                finally:
+                    run.close()
+    columns = [
+        ("hosts", "hosts"), ("heartbeat_interval_s", "beat s"), ("ingest_per_s", "beats/s"),
+        ("cpu_cores", "coord cores"), ("redis_mb", "redis MiB"), ("crash_detect_p99_s", "crash p99"),
+        ("silent_detect_p99_s", "silent p99"), ("fanout_p99_s", "fan-out p99"), ("false_positives", "false +"),
+        ("epochs_for_correlated_failure", "epochs (10%)"), ("correlated_failure_to_live_s", "10% to live"),
+    ]  # fmt: skip
+    print("  ".join(f"{title:>12}" for _, title in columns))
+    for r in results:
+        print(
+            "  ".join(
+                f"{r[key]:>12.3f}" if isinstance(r[key], float) else f"{r[key]:>12}" for key, _ in columns
+            )
+        )
+    last = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in results[-1].items()}
+    last["coordinator_cpu_cores"] = last.pop("cpu_cores")
+    last["sizes"] = [r["hosts"] for r in results]
+    print(json.dumps(last))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
