@@ -102,7 +102,7 @@ def test_a_burst_of_failures_is_one_epoch(
 # ---- the arbiter of commits ------------------------------------------------------------------------
 
 COMMITTER = """
-import json, sys
+import json, os, sys
 from remesh.elastic.agent_client import AgentClient
 from remesh.elastic.checkpoints import LocalCheckpoints, StaleEpoch
 from remesh.elastic.errors import EpochSuperseded
@@ -134,7 +134,9 @@ outcome["epoch"] = epoch
 outcome["viable"] = stale_store.latest_viable()
 outcome["trusted"] = store.latest_viable(trusted={(6, epoch - 1)})
 outcome["current_viable"] = store.latest_viable(trusted={(5, epoch)})
-open(sys.argv[2], "w").write(json.dumps(outcome))
+# Whole or not at all: the test reads the file as soon as it exists.
+open(sys.argv[2] + ".tmp", "w").write(json.dumps(outcome))
+os.replace(sys.argv[2] + ".tmp", sys.argv[2])
 agent.wait_newer(epoch, 3600)
 """
 

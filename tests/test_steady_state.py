@@ -25,7 +25,7 @@ WRITE_S = 1.0
 # snapshot store records when each write begins and ends and takes WRITE_S seconds to write.
 SLOW_WRITER = textwrap.dedent(
     """
-    import functools, json, sys, time
+    import functools, json, os, sys, time
     from examples.tinylm import data, model
     from remesh.elastic import Policy, Session
     from remesh.elastic.snapshots import Snapshots
@@ -51,8 +51,10 @@ SLOW_WRITER = textwrap.dedent(
     for result in session.run(int(sys.argv[2])):
         events.append(["step", result.step])
     events.append(["skipped", session.stats["snapshots_skipped"]])
-    with open(sys.argv[1], "w") as f:
+    # Whole or not at all: the test reads the file as soon as it exists.
+    with open(sys.argv[1] + ".tmp", "w") as f:
         json.dump(events, f)
+    os.replace(sys.argv[1] + ".tmp", sys.argv[1])
     session.close()
     """
 )

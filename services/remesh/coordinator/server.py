@@ -42,7 +42,7 @@ from remesh.coordinator.errors import (
 )
 from remesh.coordinator.feed import EventFeed, event_id_key
 from remesh.coordinator.membership import FaultKind, validate_host_id
-from remesh.coordinator.model import Event, EventType
+from remesh.coordinator.model import Event, EventType, Topology
 from remesh.coordinator.redis_connection import RedisConnection
 from remesh.coordinator.service import Coordinator
 from remesh.coordinator.settings import Settings
@@ -169,7 +169,7 @@ def add_servicer(servicer: CoordinatorServicer, server: grpc.aio.Server) -> None
         impl = getattr(servicer, method.name)
         kw = {
             "request_deserializer": _lenient(getattr(pb, method.input_type.name)),
-            "response_serializer": getattr(pb, method.output_type.name).SerializeToString,
+            "response_serializer": _serialize,
         }
         if method.client_streaming:
             handlers[method.name] = grpc.stream_stream_rpc_method_handler(impl, **kw)
@@ -236,6 +236,11 @@ class StreamLimit:
         return self._held(caller)
 
 
+def _serialize(message: Message | bytes) -> bytes:
+    """A reply to send: a message, or one encoded already (the same bytes for every stream)."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def __init__(self, coordinator: Coordinator, auth: Authorizer, *, streams_per_caller: int = 16) -> None:
         self._c = coordinator
@@ -243,6 +248,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         # One Redis reader for every follower of the event log.
         self.feed = EventFeed(coordinator.store)
         self._stream_limit = StreamLimit(streams_per_caller)
+        # The last topology sent on heartbeat streams: (epoch, the topology, its encoded reply).
+        self._encoded: tuple[int, Topology | None, bytes] = (-2, None, b"")
 
     async def Register(
         self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext
@@ -263,7 +270,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     async def Heartbeat(
         self, request_iterator: AsyncIterator[pb.HeartbeatRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.HeartbeatResponse]:
+    ) -> AsyncIterator[pb.HeartbeatResponse | bytes]:
         try:
             first = await anext(aiter(request_iterator))
         except StopAsyncIteration:
@@ -283,7 +290,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         next_command = asyncio.ensure_future(stream.commands.get())
         keepalive = self._c.settings.ha.keepalive_s
         try:
-            yield pb.HeartbeatResponse(topology=convert.topology_to_pb(self._c.state.topology))
+            yield self._topology_message(self._c.state.topology)
             while True:
                 done, _ = await asyncio.wait(
                     {next_topology, next_command, reader},
@@ -295,7 +302,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     yield pb.HeartbeatResponse()
                     continue
                 if next_topology in done:
-                    yield pb.HeartbeatResponse(topology=convert.topology_to_pb(next_topology.result()))
+                    yield self._topology_message(next_topology.result())
                     next_topology = asyncio.ensure_future(anext(topologies))
                 if next_command in done:
                     command, reason = next_command.result()
@@ -321,6 +328,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             with contextlib.suppress(BaseException):
                 await topologies.aclose()  # type: ignore[attr-defined]
             self._c.detach_stream(stream)
+
+    def _topology_message(self, topology: Topology | None) -> bytes:
+        """The heartbeat reply carrying ``topology``, encoded once per epoch for every stream: a new
+        epoch of N members goes to N agents, and encoding it for each was N x N work."""
+        key = topology.epoch if topology is not None else -1
+        if self._encoded[0] != key or self._encoded[1] is not topology:
+            reply = pb.HeartbeatResponse(topology=convert.topology_to_pb(topology))
+            self._encoded = (key, topology, reply.SerializeToString())
+        return self._encoded[2]
 
     async def _read(self, requests: AsyncIterator[pb.HeartbeatRequest], first: pb.HeartbeatRequest) -> None:
         async for request in requests:
