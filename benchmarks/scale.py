@@ -11,8 +11,8 @@ agent stops sending -> member_dead), false positives (anyone else declared dead)
 epoch's topology event -> every simulated agent holding it), and one correlated failure (a tenth of
 the active hosts at once: epochs published, time to the new epoch live).
 
-The heartbeat interval grows with the fleet (``interval_for``): a coordinator ingests about
-``--beats-per-second`` heartbeats whatever the size; crash detection does not wait for heartbeats
+The heartbeat interval grows with the fleet (the coordinator's ``--fleet-size`` and
+``--heartbeat-budget``): a coordinator ingests about ``--beats-per-second`` heartbeats whatever the size; crash detection does not wait for heartbeats
 (the closed stream is the signal), silent detection does (six intervals).
 
     python benchmarks/scale.py [--hosts 1000,2000] [--crashes 5] [--silent 3]
@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.fleet import Fleet, host_ids  # noqa: E402
 from remesh.cli.logs import configure_logging  # noqa: E402
+from remesh.coordinator.settings import DetectorSettings  # noqa: E402
 from remesh.embedded import RedisServer  # noqa: E402
 from remesh.embedded.cluster import LocalCluster, wait_for  # noqa: E402
 from remesh.v1 import coordinator_pb2 as pb  # noqa: E402
@@ -51,12 +52,6 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def interval_for(hosts: int, beats_per_second: float) -> float:
-    """The heartbeat interval that keeps the fleet's heartbeats near ``beats_per_second`` (never
-    below the local preset's 0.1 s)."""
-    return max(0.1, round(hosts / beats_per_second, 2))
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -77,13 +72,18 @@ class Run:
         (tmp / self.job).mkdir(parents=True)
         self.spares = host_ids(hosts // 10, "spare")
         self.active = host_ids(hosts - len(self.spares))
-        self.interval = interval_for(hosts, beats_per_second)
+        self.beats_per_second = beats_per_second
+        # What the coordinator's --fleet-size/--heartbeat-budget make of its preset.
+        self.interval = DetectorSettings().for_fleet(hosts, beats_per_second).heartbeat_interval_s
         self.hosts = hosts
         self.fleet: Fleet | None = None
+        self._log: list[pb.Event] = []
+        self._last_id = ""
 
     def start(self) -> None:
         proc = self.cluster.start_coordinator(
-            "--world-size", str(len(self.active)), "--heartbeat-interval", str(self.interval),
+            "--world-size", str(len(self.active)), "--fleet-size", str(self.hosts),
+            "--heartbeat-budget", str(self.beats_per_second),
             "--max-members", str(2 * self.hosts), "--jax-port-span", "20000", "--jax-port-base", "30000",
         )  # fmt: skip
         self.pid = proc.pid
@@ -99,13 +99,21 @@ class Run:
             start_spread_s=max(2.0, self.hosts / 500),
         )
         self.fleet.start(timeout=600)
-        self.cluster.wait_epoch(1, timeout=300)
-        wait_for(lambda: self.live(1), 300, "epoch 1 live")
+        wait_for(lambda: self.topology().epoch >= 1, 300, "epoch 1", interval=0.5)
+        wait_for(lambda: self.live(1), 300, "epoch 1 live", interval=0.5)
 
     def events(self, types: list[Any], since: float = 0.0) -> list[pb.Event]:
-        return list(
-            self.cluster.stub().ReplayEvents(pb.ReplayEventsRequest(types=types, since=since), timeout=60)
-        )
+        """The events of ``types`` (from ``since``), read incrementally: each call asks the coordinator
+        only for what is new since the last one, so watching the job does not load what it measures."""
+        for event in self.cluster.stub().ReplayEvents(
+            pb.ReplayEventsRequest(after_id=self._last_id), timeout=60
+        ):
+            self._log.append(event)
+            self._last_id = event.id
+        return [e for e in self._log if e.type in types and e.time >= since]
+
+    def topology(self) -> pb.Topology:
+        return self.cluster.stub().GetTopology(pb.GetTopologyRequest(), timeout=60)
 
     def live(self, epoch: int) -> bool:
         return any(e.epoch == epoch for e in self.events([pb.EVENT_TYPE_EPOCH_LIVE]))
@@ -129,10 +137,10 @@ class Run:
     def fail(self, how: str, victims: list[str]) -> tuple[float, pb.Topology]:
         """Fail ``victims`` at once; returns when the fleet did it and the topology that replaced them."""
         assert self.fleet is not None
-        before = self.cluster.topology().epoch
+        before = self.topology().epoch
         t = self.fleet.command(how, victims)
         topology = wait_for(
-            lambda: (tp := self.cluster.topology()).epoch > before and tp, 120, f"an epoch after {how}"
+            lambda: (tp := self.topology()).epoch > before and tp, 120, f"an epoch after {how}", interval=0.2
         )
         return t, topology  # type: ignore[return-value]
 
@@ -141,6 +149,7 @@ class Run:
             lambda: [e for e in self.events([pb.EVENT_TYPE_MEMBER_DEAD], since=t - 1) if e.host_id == victim],
             120,
             f"{victim} declared dead",
+            interval=0.2,
         )
         return float(dead[0].time - t)  # type: ignore[index]
 
@@ -153,11 +162,13 @@ class Run:
             lambda: expect <= set(got := self.fleet.received(topology.epoch)) and got,  # type: ignore[union-attr]
             120,
             f"epoch {topology.epoch} at every agent",
+            interval=0.2,
         )
         return percentile([arrivals[h] - published for h in expect], 99)  # type: ignore[index]
 
     def up(self) -> set[str]:
-        return {h for h, m in self.cluster.members().items() if m.state == pb.MEMBER_STATE_ALIVE}
+        members = self.cluster.stub().ListMembers(pb.ListMembersRequest(), timeout=60).members
+        return {m.host_id for m in members if m.state == pb.MEMBER_STATE_ALIVE}
 
     def close(self) -> None:
         if self.fleet is not None:
@@ -177,7 +188,7 @@ def measure(run: Run, crashes: int, silents: int, rng: random.Random) -> dict[st
     fanout: list[float] = []
     for kind, count in (("crash", crashes), ("silent", silents)):
         for i in range(count):
-            victim = rng.choice([m.host_id for m in run.cluster.topology().members])
+            victim = rng.choice([m.host_id for m in run.topology().members])
             t, topology = run.fail(kind, [victim])
             lost.add(victim)
             (crash if kind == "crash" else silent).append(run.detection(victim, t))
@@ -186,12 +197,14 @@ def measure(run: Run, crashes: int, silents: int, rng: random.Random) -> dict[st
                 f"  {run.hosts} hosts: {kind} {i + 1}/{count}: dead after {(crash if kind == 'crash' else silent)[-1]:.3f}s, "
                 f"fan-out p99 {fanout[-1]:.3f}s"
             )
-    members = [m.host_id for m in run.cluster.topology().members]
+    members = [m.host_id for m in run.topology().members]
     victims = rng.sample(members, len(members) // 10)
-    before = run.cluster.topology().epoch
+    before = run.topology().epoch
     t, topology = run.fail("crash", victims)
     lost |= set(victims)
-    wait_for(lambda: run.live(topology.epoch), 120, "the epoch after the correlated failure live")
+    wait_for(
+        lambda: run.live(topology.epoch), 120, "the epoch after the correlated failure live", interval=0.2
+    )
     live_at = next(e.time for e in run.events([pb.EVENT_TYPE_EPOCH_LIVE]) if e.epoch == topology.epoch)
     time.sleep(3.0)  # anything late would show now
     epochs = [e for e in run.events([pb.EVENT_TYPE_TOPOLOGY_CHANGED]) if e.epoch > before]

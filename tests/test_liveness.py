@@ -147,3 +147,16 @@ def test_judging_only_the_due_finds_every_verdict_a_full_scan_finds(ops: list[tu
             )
             if v.state is MemberState.DEAD:
                 t.pop(v.host_id)
+
+
+@pytest.mark.parametrize(
+    ("hosts", "interval", "timeout"),
+    [(4, 0.1, 0.6), (100, 0.1, 0.6), (1000, 1.0, 6.0), (10_000, 10.0, 60.0)],
+)
+def test_heartbeats_are_spaced_out_for_a_large_fleet_and_the_tick_is_not(
+    hosts: int, interval: float, timeout: float
+) -> None:
+    d = DetectorSettings().for_fleet(hosts, 1000.0)
+    assert (d.heartbeat_interval_s, d.heartbeat_timeout_s) == (interval, timeout)
+    assert d.suspect_after_s / d.heartbeat_interval_s == pytest.approx(3.0)
+    assert d.tick_s == 0.025  # a broken stream is judged as soon at any size

@@ -81,6 +81,19 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--jax-port-span", type=int, default=PlannerSettings.jax_port_span, help="size of that port range"
     )
+    p.add_argument(
+        "--fleet-size",
+        type=int,
+        default=0,
+        help="hosts (active and spares) the coordinator is sized for (default: --world-size); past "
+        "--heartbeat-budget of them per second, heartbeats are spaced out (see the README's scale table)",
+    )
+    p.add_argument(
+        "--heartbeat-budget",
+        type=float,
+        default=1000.0,
+        help="heartbeats per second the whole fleet may send this coordinator (default 1000)",
+    )
     p.add_argument("--heartbeat-interval", type=float, help="override the preset's heartbeat interval (s)")
     p.add_argument("--heartbeat-timeout", type=float, help="override the preset's heartbeat timeout (s)")
     p.add_argument(
@@ -113,7 +126,7 @@ def add_parser(sub: Any) -> None:
 
 def settings_from_args(args: argparse.Namespace, redis_url: str) -> Settings:
     base = Settings.production() if args.preset == "production" else Settings.local()
-    d = base.detector
+    d = base.detector.for_fleet(args.fleet_size or args.world_size, args.heartbeat_budget)
     if args.heartbeat_interval:
         # Keep the preset's ratios: suspect after 3 missed heartbeats, dead after 6.
         d = replace(
@@ -167,6 +180,11 @@ def run(args: argparse.Namespace) -> int:
             args.world_size >= 1 and args.min_world_size <= args.world_size,
             "invalid sizes",
             f"--world-size ({args.world_size}) must be >= 1 and >= --min-world-size ({args.min_world_size})",
+        ),
+        (
+            args.heartbeat_budget > 0 and args.fleet_size >= 0,
+            "invalid heartbeat budget",
+            "--heartbeat-budget must be positive and --fleet-size at least 0",
         ),
         (
             args.max_members >= 1 and args.max_events >= 10 and args.member_retention >= 0,

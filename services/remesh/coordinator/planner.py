@@ -25,6 +25,7 @@ It reads no clock and does no I/O; ``plan_events`` turns a decision into the eve
 from __future__ import annotations
 
 import enum
+import functools
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -55,6 +56,8 @@ class Kind(enum.StrEnum):
     WAIT = "wait"
     HALT = "halt"
 
+_DIGITS = re.compile(r"(\d+)")
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -66,9 +69,10 @@ class Decision:
     details: Mapping[str, str] = field(default_factory=dict)
 
 
+@functools.lru_cache(maxsize=65536)
 def natural_key(host_id: str) -> tuple[object, ...]:
-    """Sort ``host-2`` before ``host-10``."""
-    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", host_id))
+    """Sort ``host-2`` before ``host-10``. Cached: every plan sorts every live member by it."""
+    return tuple(int(p) if p.isdigit() else p for p in _DIGITS.split(host_id))
 
 
 def _restore_step(survivors: Sequence[str], steps: Mapping[str, int], fallback: int) -> int:
@@ -101,10 +105,12 @@ def plan(now: float, state: ClusterState, steps: Mapping[str, int], settings: Pl
     # A member listed here that registered again as a spare (it died while the job waited, then came
     # back) is a new process: it lost its rank, and may take one again only in a new epoch.
     lost = [h for h in current if not state.members[h].state.is_up or state.members[h].role is Role.SPARE]
-    survivors = [h for h in current if h not in lost]
+    gone = set(lost)
+    survivors = [h for h in current if h not in gone]
+    staying = set(survivors)
     # Spares that were never lost first: a host lost a moment ago that registered again within the
     # burst window (its trainer crashed, its agent is fine) goes back in only when no one else can.
-    spares = sorted((m.host_id for m in up if m.host_id not in survivors), key=lambda h: h in lost)
+    spares = sorted((m.host_id for m in up if m.host_id not in staying), key=lambda h: h in gone)
     restore = _restore_step(survivors, steps, topology.restore_step)
 
     if not lost and state.address_refused_epoch == topology.epoch:

@@ -119,6 +119,9 @@ class Coordinator:
         # a moment, and a second stream (a reconnect, or anyone with the incarnation) ending says
         # nothing about the host while another one still carries its heartbeats.
         self._streams: dict[str, list[AgentStream]] = {}
+        # Whether the last plan was held or is waiting: the detector plans again each tick until not.
+        # True at start: what was stored may be mid-burst.
+        self._replan = True
         # Acknowledgements waiting for the next batch commit, and the task that commits them.
         self._acks: list[_Ack] = []
         self._ack_writer: asyncio.Task[None] | None = None
@@ -280,6 +283,9 @@ class Coordinator:
                 events, answer = transition(self.state, now)
                 after = replay(events, self.state)
                 decision = plan(now, after, self._steps, self.settings.planner)
+                # Held (a burst being collected) or waiting for a replacement: the clock alone will
+                # change the plan, so the detector asks again on every tick until it does.
+                self._replan = decision.kind in (Kind.HOLD, Kind.WAIT) or after.waiting_since is not None
                 self._plan_log(
                     "planner", decision=decision.kind.value, reason=decision.reason, epoch=after.epoch
                 )
@@ -412,7 +418,9 @@ class Coordinator:
                     self.metrics.detection.observe(verdict.silence_s)
             return
         # The planner's clock-driven decisions (a hold for suspects running out, waiting -> halted)
-        # need a nudge without an event.
+        # need a nudge without an event; only while one is pending (a plan sorts every member).
+        if not self._replan:
+            return
         decision = plan(now, self.state, self._steps, self.settings.planner)
         if decision.kind not in (Kind.NONE, Kind.HOLD):
             await self._change(lambda s, t: [])

@@ -7,7 +7,7 @@ builds one of these; nothing below it reads the environment.
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 __all__ = ["DetectorSettings", "HaSettings", "PlannerSettings", "Settings"]
 
@@ -38,7 +38,26 @@ class DetectorSettings:
 
     @property
     def tick_s(self) -> float:
-        return self.heartbeat_interval_s / 4
+        """How often the detector looks: at most every 25 ms, whatever the heartbeat interval. A look
+        costs only the members whose deadline came up (remesh.coordinator.liveness), so a broken
+        stream is judged within its grace plus 25 ms at any fleet size."""
+        return min(self.heartbeat_interval_s / 4, 0.025)
+
+    def for_fleet(self, hosts: int, beats_per_second: float) -> DetectorSettings:
+        """These timings stretched so that ``hosts`` agents send about ``beats_per_second``
+        heartbeats in all: the interval grows with the fleet, and suspicion and the timeout keep
+        their ratio to it (silent hosts are found later; crashed ones, by their broken streams, as
+        fast as ever). Never shorter than these."""
+        interval = hosts / beats_per_second
+        if interval <= self.heartbeat_interval_s:
+            return self
+        scale = interval / self.heartbeat_interval_s
+        return replace(
+            self,
+            heartbeat_interval_s=round(interval, 3),
+            suspect_after_s=round(self.suspect_after_s * scale, 3),
+            heartbeat_timeout_s=round(self.heartbeat_timeout_s * scale, 3),
+        )
 
 
 @dataclass(frozen=True)
