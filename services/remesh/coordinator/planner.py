@@ -56,6 +56,7 @@ class Kind(enum.StrEnum):
     WAIT = "wait"
     HALT = "halt"
 
+
 _DIGITS = re.compile(r"(\d+)")
 
 
