@@ -100,7 +100,8 @@ class Run:
         )
         self.fleet.start(timeout=600)
         wait_for(lambda: self.topology().epoch >= 1, 300, "epoch 1", interval=0.5)
-        wait_for(lambda: self.live(1), 300, "epoch 1 live", interval=0.5)
+        # The job formed and its current epoch is live (a host lost while forming makes epoch 2).
+        wait_for(lambda: self.live(self.topology().epoch), 300, "the job's epoch live", interval=0.5)
 
     def events(self, types: list[Any], since: float = 0.0) -> list[pb.Event]:
         """The events of ``types`` (from ``since``), read incrementally: each call asks the coordinator

@@ -19,7 +19,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import structlog
 
@@ -91,12 +91,12 @@ def _declare_all(now: float, state: ClusterState, verdicts: list[Verdict]) -> li
 
 
 @dataclass
-class _Ack:
-    """An acknowledgement waiting for the next batch commit."""
+class _Queued:
+    """A change waiting for the next batch commit, and its caller's answer (what the transition
+    returned beside its events, or its refusal)."""
 
-    epoch: int
-    transition: Callable[[ClusterState, float], tuple[list[Event], bool]]
-    answer: asyncio.Future[bool]
+    transition: Callable[[ClusterState, float], tuple[list[Event], Any]]
+    answer: asyncio.Future[Any]
 
 
 class Coordinator:
@@ -122,9 +122,9 @@ class Coordinator:
         # Whether the last plan was held or is waiting: the detector plans again each tick until not.
         # True at start: what was stored may be mid-burst.
         self._replan = True
-        # Acknowledgements waiting for the next batch commit, and the task that commits them.
-        self._acks: list[_Ack] = []
-        self._ack_writer: asyncio.Task[None] | None = None
+        # Changes waiting for the next batch commit, and the task that commits them (``_batched``).
+        self._queue: list[_Queued] = []
+        self._queue_writer: asyncio.Task[None] | None = None
         self._topology_changed = asyncio.Condition()
         self._tasks: list[asyncio.Task[None]] = []
         self._store_down = False
@@ -490,7 +490,7 @@ class Coordinator:
                 now, s, host_id, role, device_count, address, self._max_id, self.settings.max_members
             )
 
-        _, member = await self._change_with(transition)
+        member = await self._batched(transition)
         return self.state.members.get(host_id, member)
 
     async def heartbeat(self, host_id: str, incarnation: int, step: int, trainer_idle: bool = False) -> None:
@@ -513,7 +513,9 @@ class Coordinator:
             self._steps[host_id] = step
             self._dirty_steps[host_id] = step
         if events:
-            await self._change(lambda s, t: membership.heartbeat(t, s, host_id, incarnation, self._max_id))
+            await self._batched(
+                lambda s, t: (membership.heartbeat(t, s, host_id, incarnation, self._max_id), None)
+            )
 
     def attach_stream(self, host_id: str, incarnation: int) -> AgentStream:
         stream = AgentStream(host_id, incarnation)
@@ -606,49 +608,57 @@ class Coordinator:
                 restored_bytes=restored_bytes,
             )
 
-        ack = _Ack(epoch, transition, asyncio.get_running_loop().create_future())
-        self._acks.append(ack)
-        if self._ack_writer is None or self._ack_writer.done():
-            self._ack_writer = asyncio.create_task(self._commit_acks(), name="acks")
-        return await ack.answer
+        await self._batched(transition)
+        return self.state.live_epoch >= epoch
 
-    async def _commit_acks(self) -> None:
-        """Every acknowledgement that arrived while the last commit was under way, in one commit: a
-        new epoch of N members is N acknowledgements at once, and one commit each made the last wait
-        for all the others' round trips to Redis."""
-        while self._acks:
-            batch, self._acks = self._acks, []
+    async def _batched(self, transition: Callable[[ClusterState, float], tuple[list[Event], T]]) -> T:
+        """``_change_with``, committed together with every other change queued meanwhile.
+
+        Fleets do things together: a new epoch of N members is N acknowledgements at once, a job
+        forming is N registrations and N first heartbeats. One commit each made the last wait for
+        every other's round trip to Redis (and a plan each). Each transition still sees the state
+        the ones before it produced, and a refusal answers its own caller only."""
+        queued = _Queued(transition, asyncio.get_running_loop().create_future())
+        self._queue.append(queued)
+        if self._queue_writer is None or self._queue_writer.done():
+            self._queue_writer = asyncio.create_task(self._commit_queued(), name="batched-changes")
+        answer: T = await queued.answer
+        return answer
+
+    async def _commit_queued(self) -> None:
+        while self._queue:
+            batch, self._queue = self._queue, []
 
             def transition(
-                s: ClusterState, now: float, batch: list[_Ack] = batch
-            ) -> tuple[list[Event], list[CoordinatorError | None]]:
+                s: ClusterState, now: float, batch: list[_Queued] = batch
+            ) -> tuple[list[Event], list[tuple[bool, Any]]]:
                 events: list[Event] = []
-                refusals: list[CoordinatorError | None] = []
-                for ack in batch:
+                answers: list[tuple[bool, Any]] = []
+                for queued in batch:
                     try:
-                        found, _ = ack.transition(s, now)
+                        found, answer = queued.transition(s, now)
                     except CoordinatorError as exc:
-                        refusals.append(exc)
+                        answers.append((False, exc))
                         continue
-                    refusals.append(None)
+                    answers.append((True, answer))
                     s = replay(found, s)
                     events += found
-                return events, refusals
+                return events, answers
 
             try:
-                _, refusals = await self._change_with(transition)
+                _, answers = await self._change_with(transition)
             except Exception as exc:  # the whole commit failed (Redis down, deposed): everyone hears it
-                for ack in batch:
-                    if not ack.answer.done():
-                        ack.answer.set_exception(exc)
+                for queued in batch:
+                    if not queued.answer.done():
+                        queued.answer.set_exception(exc)
                 continue
-            for ack, refusal in zip(batch, refusals, strict=True):
-                if ack.answer.done():
+            for queued, (ok, answer) in zip(batch, answers, strict=True):
+                if queued.answer.done():
                     continue  # the caller went away
-                if refusal is not None:
-                    ack.answer.set_exception(refusal)
+                if ok:
+                    queued.answer.set_result(answer)
                 else:
-                    ack.answer.set_result(self.state.live_epoch >= ack.epoch)
+                    queued.answer.set_exception(answer)
 
     async def commit_checkpoint(
         self, host_id: str, incarnation: int, epoch: int, step: int, tier: str
