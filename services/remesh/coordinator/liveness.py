@@ -25,7 +25,12 @@ __all__ = ["LivenessTable"]
 class LivenessTable:
     def __init__(self, settings: DetectorSettings) -> None:
         self.settings = settings
+        # Each member's record; its ``last_seen`` is kept apart (``_last``), the hot path.
         self._entries: dict[str, Liveness] = {}
+        # Last heartbeat per member, on a clock that stops while the observer stalls: the real time
+        # minus ``_credit``, the stalls credited so far. A heartbeat is one float written here.
+        self._last: dict[str, float] = {}
+        self._credit = 0.0
         # (deadline, host): may hold stale entries for a host; ``due`` drops those.
         self._heap: list[tuple[float, str]] = []
         # The earliest deadline queued for each host (a later one is not queued again).
@@ -34,7 +39,10 @@ class LivenessTable:
     # ---- reading ---------------------------------------------------------------------------------
 
     def get(self, host_id: str) -> Liveness | None:
-        return self._entries.get(host_id)
+        seen = self._entries.get(host_id)
+        if seen is None:
+            return None
+        return replace(seen, last_seen=self._last[host_id] + self._credit)
 
     def __contains__(self, host_id: object) -> bool:
         return host_id in self._entries
@@ -46,40 +54,47 @@ class LivenessTable:
         return iter(self._entries)
 
     def items(self) -> Iterable[tuple[str, Liveness]]:
-        return self._entries.items()
+        return [(h, self[h]) for h in self._entries]
 
     def __getitem__(self, host_id: str) -> Liveness:
-        return self._entries[host_id]
+        seen = self.get(host_id)
+        if seen is None:
+            raise KeyError(host_id)
+        return seen
 
     # ---- writing ---------------------------------------------------------------------------------
 
     def set(self, host_id: str, liveness: Liveness) -> None:
         """A new record (a grant, a new incarnation, a stream event): its deadlines are queued."""
         self._entries[host_id] = liveness
+        self._last[host_id] = liveness.last_seen - self._credit
         self._queue(host_id, self._next(liveness, after=float("-inf")))
 
     def heard(self, host_id: str, incarnation: int, now: float) -> None:
-        """A heartbeat of ``incarnation``: the fast path, no deadline queued (the queued one moves on
-        when it comes up). A heartbeat of another incarnation starts a new record."""
+        """A heartbeat of ``incarnation``: the fast path, one float written and no deadline queued
+        (the queued one moves on when it comes up). Another incarnation starts a new record."""
         seen = self._entries.get(host_id)
         if seen is not None and seen.incarnation == incarnation:
-            self._entries[host_id] = replace(seen, last_seen=now)
+            self._last[host_id] = now - self._credit
         else:
             self.set(host_id, Liveness(incarnation, last_seen=now))
 
     def pop(self, host_id: str) -> None:
         self._entries.pop(host_id, None)
+        self._last.pop(host_id, None)
         self._queued.pop(host_id, None)
 
     def clear(self) -> None:
         self._entries.clear()
+        self._last.clear()
         self._heap.clear()
         self._queued.clear()
 
     def shift(self, seconds: float) -> None:
-        """The observer did not run for ``seconds``: nobody's silence in that time counts. Deadlines
-        only move later, so those queued come up early and move on."""
-        self._entries = {h: replace(s, last_seen=s.last_seen + seconds) for h, s in self._entries.items()}
+        """The observer did not run for ``seconds``: nobody's silence in that time counts (every
+        last heartbeat moves that much later, at the cost of one addition). Deadlines only move
+        later, so those queued come up early and move on."""
+        self._credit += seconds
 
     # ---- deadlines -------------------------------------------------------------------------------
 
@@ -99,7 +114,7 @@ class LivenessTable:
     def reschedule(self, host_id: str, now: float, judged: bool) -> None:
         """Queue ``host_id``'s next deadline after ``now``. ``judged``: a verdict was just given (it
         may not be committed yet): look again on the next tick, until the member's record goes."""
-        seen = self._entries.get(host_id)
+        seen = self.get(host_id)
         if seen is None:
             return
         if judged:
