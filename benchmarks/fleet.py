@@ -139,17 +139,19 @@ class SimAgent:
                 return
 
     async def _ack(self, stub: pb_grpc.CoordinatorStub, incarnation: int, epoch: int) -> None:
-        with contextlib.suppress(grpc.aio.AioRpcError):
-            await stub.AckEpoch(
-                pb.AckEpochRequest(
-                    host_id=self.host_id,
-                    incarnation=incarnation,
-                    epoch=epoch,
-                    restored_step=-1,
-                    restore_source="sim",
-                ),
-                timeout=30,
-            )
+        """As a trainer does (through its agent): retried while the coordinator is busy or away; a
+        refusal (the epoch is no longer current) ends it."""
+        request = pb.AckEpochRequest(
+            host_id=self.host_id, incarnation=incarnation, epoch=epoch, restored_step=-1, restore_source="sim"
+        )
+        for attempt in range(10):
+            try:
+                await stub.AckEpoch(request, timeout=30)
+                return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    return
+                await asyncio.sleep(min(5.0, 0.2 * 2**attempt))
 
 
 async def _simulate(args: argparse.Namespace) -> None:

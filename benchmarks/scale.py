@@ -240,12 +240,17 @@ def main() -> int:
     configure_logging(level="warning")
     rng = random.Random(args.seed)
     results = []
+    failed: dict[int, str] = {}
     with tempfile.TemporaryDirectory(prefix="remesh-scale-") as tmp:
         for hosts in (int(h) for h in args.hosts.split(",")):
             with RedisServer(appendonly=False) as redis_server:
                 run = Run(Path(tmp), redis_server, hosts, args.beats_per_second)
                 try:
                     results.append(measure(run, args.crashes, args.silent, rng))
+                except (TimeoutError, RuntimeError) as exc:
+                    # Said, not hidden: the sizes before still print, and this one says where it stopped.
+                    progress(f"  {hosts} hosts: FAILED: {exc}")
+                    failed[hosts] = str(exc)
                 finally:
                     run.close()
     columns = [
@@ -261,11 +266,16 @@ def main() -> int:
                 f"{r[key]:>12.3f}" if isinstance(r[key], float) else f"{r[key]:>12}" for key, _ in columns
             )
         )
-    last = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in results[-1].items()}
-    last["coordinator_cpu_cores"] = last.pop("cpu_cores")
+    for hosts, why in failed.items():
+        print(f"{hosts:>12}  FAILED: {why}")
+    last: dict[str, Any] = {"hosts": 0}
+    if results:
+        last = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in results[-1].items()}
+        last["coordinator_cpu_cores"] = last.pop("cpu_cores")
     last["sizes"] = [r["hosts"] for r in results]
+    last["failed_sizes"] = {str(h): why for h, why in failed.items()}
     print(json.dumps(last))
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
