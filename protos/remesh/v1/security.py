@@ -127,8 +127,10 @@ class Tls:
     def _read(self) -> tuple[bytes, bytes, bytes]:
         return self.ca_file.read_bytes(), self.cert_file.read_bytes(), self.key_file.read_bytes()
 
-    def _stamp(self) -> tuple[float, ...]:
-        return tuple(p.stat().st_mtime_ns for p in (self.ca_file, self.cert_file, self.key_file))
+    def _stamp(self) -> tuple[int, ...]:
+        """What changes when a file is replaced: a rename brings a new inode, a rewrite a new mtime."""
+        stats = [p.stat() for p in (self.ca_file, self.cert_file, self.key_file)]
+        return tuple(x for st in stats for x in (st.st_ino, st.st_mtime_ns, st.st_size))
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         """A client's credentials, read now: a channel opened later reads rotated files again."""

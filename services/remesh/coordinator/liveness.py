@@ -13,7 +13,6 @@ holds about one entry per member and the work per tick is the members actually d
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Iterator
 from dataclasses import replace
 
 from remesh.coordinator.detector import Liveness
@@ -46,15 +45,6 @@ class LivenessTable:
 
     def __contains__(self, host_id: object) -> bool:
         return host_id in self._entries
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._entries)
-
-    def items(self) -> Iterable[tuple[str, Liveness]]:
-        return [(h, self[h]) for h in self._entries]
 
     def __getitem__(self, host_id: str) -> Liveness:
         seen = self.get(host_id)

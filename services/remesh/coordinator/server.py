@@ -205,11 +205,6 @@ def _caller(context: grpc.aio.ServicerContext) -> str:
     return peer.rsplit(":", 1)[0] if peer.startswith(("ipv4:", "ipv6:")) else peer
 
 
-@contextlib.asynccontextmanager
-async def _no_feed() -> AsyncIterator[None]:
-    yield None
-
-
 class StreamLimit:
     """At most ``limit`` long-lived streams (event follows, topology watches) open per caller: a
     client that opens them in a loop is refused, not served until memory runs out."""
@@ -426,7 +421,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             try:
                 # Subscribed first, read second: nothing committed in between is missed; what both
                 # bring is sent once (ids only grow).
-                async with self.feed.subscribe() if request.follow else _no_feed() as feed:
+                async with self.feed.subscribe() if request.follow else contextlib.nullcontext() as feed:
                     async for page in self._c.store.page_events(request.after_id, request.since):
                         for event in page:
                             if _matches(event, hosts, types, request.since):

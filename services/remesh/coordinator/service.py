@@ -448,12 +448,12 @@ class Coordinator:
         retention = self.settings.member_retention_s
         if any(now - m.updated_at >= retention for m in membership.forgettable(self.state)):
             await self._change(lambda s, t: membership.expire(t, s, retention))
-        if await self.store.event_count() <= self.settings.max_events:
+        folded = await self.store.event_count()
+        if folded <= self.settings.max_events:
             return
         async with self._lock:
             if not self.leading:
                 return
-            folded = await self.store.event_count()
             event = Event(
                 EventType.LOG_COMPACTED,
                 self._clock(),

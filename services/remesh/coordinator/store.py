@@ -51,15 +51,28 @@ local function fenced(lease, token)
 end
 """
 
-_COMMIT = (
+# The writes that move the revision open with this as well: the writer's token must hold the lease,
+# and the stored revision must be the one the write was planned at. Returns (refusal, revision).
+_GUARD = (
     _FENCE
     + """
-local refused = fenced(KEYS[6], ARGV[3])
-if refused then return refused end
-local rev = tonumber(redis.call('HGET', KEYS[3], 'rev') or '0')
-if rev ~= tonumber(ARGV[1]) then
-  return redis.error_reply('CONFLICT store is at revision ' .. rev .. ', the change was planned at ' .. ARGV[1])
+local function guarded(lease, token, meta, planned)
+  local refused = fenced(lease, token)
+  if refused then return refused, nil end
+  local rev = tonumber(redis.call('HGET', meta, 'rev') or '0')
+  if rev ~= tonumber(planned) then
+    return redis.error_reply('CONFLICT store is at revision ' .. rev .. ', the write was planned at ' .. planned), nil
+  end
+  return nil, rev
 end
+"""
+)
+
+_COMMIT = (
+    _GUARD
+    + """
+local refused, rev = guarded(KEYS[6], ARGV[3], KEYS[3], ARGV[1])
+if refused then return refused end
 local p = cjson.decode(ARGV[2])
 for host, m in pairs(p.members) do redis.call('HSET', KEYS[1], host, m) end
 for i, host in ipairs(p.forgotten) do
@@ -81,14 +94,10 @@ return ids
 
 # KEYS: meta, events, leader. ARGV: rev, the log_compacted event (JSON), token. Returns its id.
 _COMPACT = (
-    _FENCE
+    _GUARD
     + """
-local refused = fenced(KEYS[3], ARGV[3])
+local refused, rev = guarded(KEYS[3], ARGV[3], KEYS[1], ARGV[1])
 if refused then return refused end
-local rev = tonumber(redis.call('HGET', KEYS[1], 'rev') or '0')
-if rev ~= tonumber(ARGV[1]) then
-  return redis.error_reply('CONFLICT store is at revision ' .. rev .. ', the compaction was planned at ' .. ARGV[1])
-end
 local id = redis.call('XADD', KEYS[2], '*', 'e', ARGV[2])
 redis.call('XTRIM', KEYS[2], 'MINID', id)
 redis.call('HSET', KEYS[1], 'rev', rev + 1)
