@@ -268,7 +268,12 @@ def main() -> int:
         )
     for hosts, why in failed.items():
         print(f"{hosts:>12}  FAILED: {why}")
-    last: dict[str, Any] = {"hosts": 0}
+    # The keys always, null when no size completed.
+    required = (
+        "hosts", "crash_detect_p99_s", "silent_detect_p99_s", "fanout_p99_s", "false_positives",
+        "coordinator_cpu_cores", "epochs_for_correlated_failure",
+    )  # fmt: skip
+    last: dict[str, Any] = dict.fromkeys(required)
     if results:
         last = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in results[-1].items()}
         last["coordinator_cpu_cores"] = last.pop("cpu_cores")
