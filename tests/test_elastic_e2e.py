@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from examples.tinylm import data
+from examples.tinylm.train_elastic import checksum
 from remesh.coordinator.settings import PlannerSettings
 from remesh.embedded import FakeGcsServer, RedisServer
 from remesh.v1 import coordinator_pb2 as pb
@@ -194,10 +196,13 @@ def test_without_a_spare_the_job_shrinks_onto_exactly_the_state_it_left(
     tmp_path: Path, redis: RedisServer
 ) -> None:
     """The state each member restores on the smaller mesh is, bit for bit, the state the run had
-    after the epoch's restore step; then training goes on and the loss keeps falling.
+    after the epoch's restore step; the input resumes at that step, each of 2 hosts now reading 12
+    rows of the same 24 records where 3 read 8, so every step trains on exactly its global batch (no
+    record skipped or read twice); then training goes on and the loss keeps falling.
 
     The trainers write, per step, a checksum of the state the step began from (computed inside the
-    jitted step: for an epoch's first step, the state it restored) and of the state after it.
+    jitted step: for an epoch's first step, the state it restored), of the state after it and of the
+    global batch the step was given (assembled on the devices from each host's own rows).
     """
     checksums = tmp_path / "checksums"
     final, cluster = run_job(
@@ -242,6 +247,13 @@ def test_without_a_spare_the_job_shrinks_onto_exactly_the_state_it_left(
             )
             assert (first["step"], first["world_size"]) == (restore + 1, 2)
             assert first["state_in"] in left, f"{host} restored another state than step {restore}'s"
+
+        # Every step each process ran, in either epoch, trained on the global batch a clean run
+        # reads at that step: the rows the hosts read themselves, put together.
+        expected = {s: checksum(np, [data.global_batch(s - 1, 24, 32, 0)]) for s in {r["step"] for r in rows}}
+        wrong = [(r["epoch"], r["step"]) for r in rows if r["batch"] != expected[r["step"]]]
+        assert not wrong, f"steps that trained on another batch than their own: {wrong[:5]}"
+        assert {r["world_size"] for r in rows if r["step"] > restore} == {2}
 
         logged = steps_logged(cluster)
         assert {ws for _, _, ws in logged} == {3, 2}

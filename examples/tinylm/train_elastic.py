@@ -28,6 +28,7 @@ import structlog
 from examples.tinylm import data, model
 from remesh.elastic import (
     Checkpoints,
+    GrainData,
     Layout,
     LocalCheckpoints,
     Policy,
@@ -76,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         "--checksums",
         help="every rank appends one JSON line per step here with checksums of the state the step began "
         "from (computed on the devices: for an epoch's first step, the state it restored) and of the "
-        "state after it; tests compare what an epoch restored with what the last one left",
+        "state after it, and of the global batch it trained on; tests compare what an epoch restored "
+        "with what the last one left, and each step's batch with the one a clean run reads",
     )
     p.add_argument("--collective-timeout", type=float, default=Policy().collective_timeout_s)
     p.add_argument(
@@ -137,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     session = Session(
         init_state=functools.partial(model.init_state, args.seed, config),
         train_step=train_step,
-        batch_for_step=lambda step: data.global_batch(step, args.batch, args.seq_len, args.seed),
+        # Each host reads only its own rows of every step's global batch, from the restored step on.
+        data=GrainData(data.records(args.seq_len, args.seed), args.batch),
         devices_per_host=args.devices,
         policy=policy,
         checkpoints=stores,
@@ -163,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                     "step": result.step,
                     "state_in": int(result.metrics["state_in"]),
                     "state_out": int(result.metrics["state_out"]),
+                    "batch": int(result.metrics["batch"]),
                 }
             )
         if result.step % args.log_every == 0 or result.step == args.steps:
@@ -217,7 +221,8 @@ class _MetricsFile:
 def _with_input_checksum(
     train_step: Callable[[Any, jax.Array], tuple[Any, dict[str, jax.Array]]], state: Any, batch: jax.Array
 ) -> tuple[Any, dict[str, jax.Array]]:
-    """``train_step``, with a checksum of the state it was given among its metrics (``--checksums``).
+    """``train_step``, with checksums of the state it was given, the state it gives back and the
+    global batch it trained on among its metrics (``--checksums``).
 
     Computed inside the step, on the devices: the only place the state an epoch restored can be seen
     from outside the session. Integer arithmetic, so any reduction order gives the same value.
@@ -225,12 +230,13 @@ def _with_input_checksum(
     new_state, metrics = train_step(state, batch)
     return new_state, {
         **metrics,
-        "state_in": _checksum(jnp, jax.tree_util.tree_leaves(state)),
-        "state_out": _checksum(jnp, jax.tree_util.tree_leaves(new_state)),
+        "state_in": checksum(jnp, jax.tree_util.tree_leaves(state)),
+        "state_out": checksum(jnp, jax.tree_util.tree_leaves(new_state)),
+        "batch": checksum(jnp, [batch]),
     }
 
 
-def _checksum(xp: Any, leaves: Sequence[Any]) -> Any:
+def checksum(xp: Any, leaves: Sequence[Any]) -> Any:
     """A position-weighted sum of the bits of every element, mod 2**32; ``xp`` is numpy or jax.numpy.
 
     Every weight is odd, so a change to any single element always changes it. Leaves of 4-byte types.

@@ -6,9 +6,9 @@
 The loop, the jitted step and the batch are the plain script's; what changes (``diff`` the two):
 no ``jax.distributed.initialize`` and no mesh of your own (each epoch brings its mesh, its state
 shardings and the state restored onto them), the loop sits inside ``for epoch in
-session.epochs(...)`` / ``with epoch:``, each host loads only its own rows of the step's batch
-(``epoch.host_rows``) and feeds them through ``epoch.batch``, and
-``epoch.done(state, metrics)`` takes each new state back.
+session.epochs(...)`` / ``with epoch:``, each host reads only its own rows of each step's batch of
+the same Grain records (``epoch.data``, from the restored step on) and feeds them through
+``epoch.batch``, and ``epoch.done(state, metrics)`` takes each new state back.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from examples.tinylm import data, model
-from remesh.elastic import Layout, Policy, Session, fsdp_partition
+from remesh.elastic import GrainData, Layout, Policy, Session, fsdp_partition
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             gather_final=bool(args.save_final),
         ),
     )
+    source = GrainData(data.records(args.seq_len, args.seed), args.batch)
     out = open(args.metrics, "a", buffering=1) if args.metrics else None  # noqa: SIM115
     for epoch in session.epochs(args.steps):
         with epoch:
@@ -63,11 +64,9 @@ def main(argv: list[str] | None = None) -> int:
                 out_shardings=(epoch.shardings, epoch.replicated),
             )
             state = epoch.state
-            for step in epoch.steps():
-                rows = data.global_batch(
-                    step, args.batch, args.seq_len, args.seed, epoch.host_rows(args.batch)
-                )
-                state, metrics = step_fn(state, epoch.batch(rows))
+            batches = epoch.data(source)  # this host's rows of each step's batch, from epoch.step on
+            for _ in epoch.steps():
+                state, metrics = step_fn(state, epoch.batch(next(batches)))
                 done = epoch.done(state, metrics)
                 if done is not None and out is not None and epoch.rank == 0:
                     out.write(

@@ -38,6 +38,7 @@ from remesh.elastic.checkpoints import (
     NoViableCheckpoint,
     StaleEpoch,
 )
+from remesh.elastic.data import GrainData, HostBatches, StepData
 from remesh.elastic.errors import (
     AddressInUse,
     ElasticError,
@@ -71,6 +72,8 @@ __all__ = [
     "ElasticError",
     "Epoch",
     "GcsCheckpoints",
+    "GrainData",
+    "HostBatches",
     "Layout",
     "LocalCheckpoints",
     "NoViableCheckpoint",
@@ -81,6 +84,7 @@ __all__ = [
     "Session",
     "StaleEpoch",
     "StateLost",
+    "StepData",
     "StepResult",
     "TopologyChanged",
     "fsdp_partition",

@@ -1,8 +1,9 @@
 """The elastic training session: the user's JAX loop, with failures handled by remesh.
 
 The user hands over an ``init_state`` function, a ``train_step(state, batch) -> (state, metrics)``
-and ``batch_for_step(step) -> global batch`` (a pure function of the step, so a recovered run sees
-exactly the data a clean run would), and iterates ``Session.run(num_steps)``. For every epoch the
+and its data addressed by step (``data``: a ``StepData`` such as ``GrainData``, each host reading
+only its own rows; or ``batch_for_step(step) -> global batch``), so a recovered run sees exactly the
+data a clean run would, and iterates ``Session.run(num_steps)``. For every epoch the
 agent assigns, the session
 
 1. joins the JAX distributed runtime for the epoch (rank, world size, coordination address),
@@ -44,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from remesh.elastic.agent_client import AgentClient, Assignment
 from remesh.elastic.checkpoints import Approve, CheckpointError, StaleEpoch, Trusted
+from remesh.elastic.data import HostBatches, StepData
 from remesh.elastic.errors import (
     AddressInUse,
     AgentUnreachable,
@@ -246,7 +248,7 @@ class Epoch:
         source: str,
         tiers: Mapping[str, int],
         phases: dict[str, float],
-        compiled: Callable[[PyTree, jax.Array], tuple[PyTree, Any]] | None = None,
+        compiled: Callable[[PyTree, PyTree], tuple[PyTree, Any]] | None = None,
     ) -> None:
         self._session = session
         self.assignment = assignment
@@ -274,6 +276,8 @@ class Epoch:
         # The step dispatched last, not yet waited for: (step, its metrics, a leaf of its state, when
         # it could start). Waited for once the next one is dispatched, so the devices never idle.
         self._pending: tuple[int, Mapping[str, jax.Array], jax.Array, float] | None = None
+        # The input this epoch reads (``data``), kept in step with the steps handed back.
+        self._batches: HostBatches | None = None
 
     @property
     def rank(self) -> int:
@@ -298,12 +302,34 @@ class Epoch:
             )
         return slice(self.rank * per, (self.rank + 1) * per)
 
-    def batch(self, rows: np.ndarray) -> jax.Array:
-        """This host's rows of the global batch (``host_rows``) as the global array the step takes."""
-        rows = np.asarray(rows)
-        shape = (rows.shape[0] * self.world_size, *rows.shape[1:])
-        self.host_rows(shape[0])  # the divisibility rule, said the same way everywhere
-        return jax.make_array_from_process_local_data(self.batch_sharding, rows, shape)
+    def batch(self, rows: PyTree) -> PyTree:
+        """This host's rows of the global batch (``host_rows``; an array or a tree of arrays) as the
+        global arrays the step takes."""
+
+        def whole(leaf: Any) -> jax.Array:
+            leaf = np.asarray(leaf)
+            shape = (leaf.shape[0] * self.world_size, *leaf.shape[1:])
+            self.host_rows(shape[0])  # the divisibility rule, said the same way everywhere
+            return jax.make_array_from_process_local_data(self.batch_sharding, leaf, shape)
+
+        return jax.tree.map(whole, rows)
+
+    def data(self, source: StepData) -> HostBatches:
+        """This host's rows of every global batch of ``source`` from the restored step on (read ahead
+        in the background for a ``GrainData``): ``next()`` once per step. The data position is the
+        step, so the input resumes exactly where the restored state left it, on any number of hosts."""
+        if self._batches is not None:
+            self._batches.close()
+        rows = self.host_rows(source.global_batch_size)
+        self._batches = HostBatches.of(source, self.step, self.num_steps, rows)
+        log.info(
+            "input resumes",
+            step=self.step,
+            record=self.step * source.global_batch_size + rows.start,
+            rows=rows.stop - rows.start,
+            world_size=self.world_size,
+        )
+        return self._batches
 
     def steps(self) -> Iterator[int]:
         """The steps left to train in this epoch, each the number of steps done before it. Raises
@@ -344,6 +370,11 @@ class Epoch:
         self.step += 1
         self._handed_back = True
         step = self.step
+        if self._batches is not None and self._batches.step != step:
+            raise RuntimeError(
+                f"step {step - 1} took the batches of steps {step - 1} to {self._batches.step - 1} of "
+                "epoch.data: take exactly one batch (next()) per step"
+            )
         if not self._acked:
             # The epoch runs here from now on once its first step is done: said before anything
             # else, and waited for this once.
@@ -364,8 +395,14 @@ class Epoch:
         self._pending = (step, metrics, leaves[0], max(dispatched, s._done_at))
         return result
 
+    def _close_input(self) -> None:
+        if self._batches is not None:
+            self._batches.close()
+            self._batches = None
+
     def _end(self) -> None:
         s = self._session
+        self._close_input()
         if self._pending is not None:
             self.last = s._completed(self.assignment, *self._pending)
             self._pending = None
@@ -388,6 +425,7 @@ class Epoch:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
         """A failure of the epoch (a peer lost, a new topology, a fresh process needed) ends it here
         for ``Session.epochs`` to handle; anything else is the loop's own and goes on up."""
+        self._close_input()
         if isinstance(exc, JaxRuntimeError):
             exc = as_peer_failure(exc)
         if isinstance(exc, ElasticError):
@@ -402,8 +440,9 @@ class Session:
         *,
         init_state: Callable[[], PyTree],
         devices_per_host: int,
-        train_step: Callable[[PyTree, jax.Array], tuple[PyTree, Mapping[str, jax.Array]]] | None = None,
+        train_step: Callable[[PyTree, PyTree], tuple[PyTree, Mapping[str, jax.Array]]] | None = None,
         batch_for_step: Callable[[int], np.ndarray] | None = None,
+        data: StepData | None = None,
         policy: Policy | None = None,
         checkpoints: Sequence[CheckpointStore] = (),
         agent: AgentClient | None = None,
@@ -414,7 +453,10 @@ class Session:
         self.layout = layout or Layout()
         self._init_state = init_state
         self._train_step = train_step
+        if batch_for_step is not None and data is not None:
+            raise TypeError("give the session batch_for_step or data, not both")
         self._batch_for_step = batch_for_step
+        self._data = data
         self.devices_per_host = devices_per_host
         self.checkpoints = list(checkpoints)
         self.agent = agent or AgentClient.from_env()
@@ -492,17 +534,24 @@ class Session:
     def run(self, num_steps: int) -> Iterator[StepResult]:
         """Train to ``num_steps`` with the session's own loop, across every epoch the agent assigns:
         the step is compiled for each epoch's mesh while the state is restored. Ends when done or
-        halted. Needs ``train_step`` and ``batch_for_step``; ``epochs`` keeps the loop in your hands."""
-        if self._train_step is None or self._batch_for_step is None:
-            raise TypeError("Session.run needs train_step and batch_for_step; or loop over Session.epochs")
-        batch_for_step = self._batch_for_step
+        halted. Needs ``train_step``, and ``data`` (each host reads its own rows) or ``batch_for_step``
+        (every host makes the whole global batch); ``epochs`` keeps the loop in your hands."""
+        if self._train_step is None or (self._batch_for_step is None and self._data is None):
+            raise TypeError(
+                "Session.run needs train_step, and data or batch_for_step; or loop over Session.epochs"
+            )
         for epoch in self._epochs(num_steps, compile=True):
             with epoch:
                 assert epoch.compiled is not None
                 state = epoch.state
+                batches = epoch.data(self._data) if self._data is not None else None
                 for step in epoch.steps():
-                    whole = batch_for_step(step)
-                    batch = epoch.batch(whole[epoch.host_rows(whole.shape[0])])
+                    if batches is not None:
+                        batch = epoch.batch(next(batches))
+                    else:
+                        assert self._batch_for_step is not None
+                        whole = self._batch_for_step(step)
+                        batch = epoch.batch(whole[epoch.host_rows(whole.shape[0])])
                     # On CPU a dispatch may run the step (or wait for the one before) inline: a
                     # failed collective raises here, and ``with epoch`` ends the epoch on it.
                     state, metrics = epoch.compiled(state, batch)
@@ -840,9 +889,8 @@ class Session:
         if self._program is None:
             template = self._template_leaves()
             state = jax.tree_util.tree_unflatten(self._treedef, template)
-            assert self._train_step is not None and self._batch_for_step is not None
-            sample = self._batch_for_step(0)
-            traced = jax.jit(self._train_step).trace(state, jax.ShapeDtypeStruct(sample.shape, sample.dtype))
+            assert self._train_step is not None
+            traced = jax.jit(self._train_step).trace(state, self._batch_shapes(0))
             out_tree = traced.out_tree
             children = out_tree.children()
             returned = children[0] if len(children) == 2 else None
@@ -870,26 +918,25 @@ class Session:
         shardings: list[NamedSharding],
         by_rows: NamedSharding,
         replicated: NamedSharding,
-    ) -> tuple[Callable[[PyTree, jax.Array], tuple[PyTree, Any]], dict[str, float]]:
+    ) -> tuple[Callable[[PyTree, PyTree], tuple[PyTree, Any]], dict[str, float]]:
         """The step for this epoch's mesh, and where compiling it went (trace, lower, XLA)."""
         t = time.monotonic()
         program, out_tree = self._step_program()
         timings = {"compile_trace": time.monotonic() - t}
         template = self._template_leaves()
-        # Any step's batch has the shape of every step's batch.
-        assert self._batch_for_step is not None
-        sample = self._batch_for_step(max(assignment.restore_step, 0))
+        # Any step's batch has the shapes of every step's batch.
+        batch_leaves = jax.tree.leaves(self._batch_shapes(max(assignment.restore_step, 0)))
         args = [
             *(
                 jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
                 for x, s in zip(template, shardings, strict=True)
             ),
-            jax.ShapeDtypeStruct(sample.shape, sample.dtype, sharding=by_rows),
+            *(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=by_rows) for x in batch_leaves),
         ]
         metrics = out_tree.num_leaves - len(shardings)
         step_fn = jax.jit(
             jaxpr_as_fun(program),
-            in_shardings=(*shardings, by_rows),
+            in_shardings=(*shardings, *[by_rows] * len(batch_leaves)),
             out_shardings=[*shardings, *[replicated] * metrics],  # the program returns a list
         )
         t = time.monotonic()
@@ -903,10 +950,22 @@ class Session:
         timings["compile_xla"] = time.monotonic() - t
         treedef = self._treedef
 
-        def step(state: PyTree, batch: jax.Array) -> tuple[PyTree, Any]:
-            return jax.tree_util.tree_unflatten(out_tree, compiled(*treedef.flatten_up_to(state), batch))
+        def step(state: PyTree, batch: PyTree) -> tuple[PyTree, Any]:
+            flat = compiled(*treedef.flatten_up_to(state), *jax.tree.leaves(batch))
+            return jax.tree_util.tree_unflatten(out_tree, flat)
 
         return step, timings
+
+    def _batch_shapes(self, step: int) -> PyTree:
+        """The shapes of a global batch: from ``batch_for_step``, or from one row of ``data`` (a
+        host reads only its own rows, even to learn the shapes)."""
+        if self._data is not None:
+            one = self._data.rows(step, slice(0, 1))
+            size = self._data.global_batch_size
+            return jax.tree.map(lambda x: jax.ShapeDtypeStruct((size, *np.shape(x)[1:]), x.dtype), one)
+        assert self._batch_for_step is not None
+        sample = self._batch_for_step(step)
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), sample)
 
     # ---- state -----------------------------------------------------------------------------------
 
