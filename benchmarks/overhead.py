@@ -50,10 +50,11 @@ def model_args(args: argparse.Namespace) -> list[str]:
 
 
 def step_times(metrics: Path, warmup: int) -> list[float]:
-    """Seconds between consecutive completed steps of process 0, after the first ``warmup``."""
+    """Seconds between consecutive completed steps of process 0, after the first ``warmup``. The last
+    step is left out: the loops write it once the run has ended (remesh's after its final barrier)."""
     lines = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     times = {int(r["step"]): float(r["t"]) for r in lines}
-    steps = sorted(s for s in times if s > warmup)
+    steps = sorted(s for s in times if warmup < s < max(times))
     return [times[s] - times[s - 1] for s in steps if s - 1 in times]
 
 
@@ -92,11 +93,18 @@ def remesh_run(tmp: Path, redis_url: str, args: argparse.Namespace) -> tuple[lis
     folder = tmp / job
     folder.mkdir()
     cluster = LocalCluster(folder, redis_url, job)
-    trainer = [
-        sys.executable, "-m", "examples.tinylm.train_elastic", *model_args(args),
-        "--sharding", "fsdp", "--log-every", "1000", "--metrics-dir", str(folder / "metrics"),
-        "--snapshot-every", str(args.snapshot_every),
-    ]  # fmt: skip
+    (folder / "metrics").mkdir()
+    if args.loop == "own":  # examples/tinylm/train_own_loop.py: the user's loop on Session.epochs
+        trainer = [
+            sys.executable, "-m", "examples.tinylm.train_own_loop", *model_args(args),
+            "--metrics", str(folder / "metrics" / "rank0.jsonl"), "--snapshot-every", str(args.snapshot_every),
+        ]  # fmt: skip
+    else:  # examples/tinylm/train_elastic.py: Session.run
+        trainer = [
+            sys.executable, "-m", "examples.tinylm.train_elastic", *model_args(args),
+            "--sharding", "fsdp", "--log-every", "1000", "--metrics-dir", str(folder / "metrics"),
+            "--snapshot-every", str(args.snapshot_every),
+        ]  # fmt: skip
     if args.checkpoint_every:
         trainer += [
             "--checkpoint-dir",
@@ -107,7 +115,12 @@ def remesh_run(tmp: Path, redis_url: str, args: argparse.Namespace) -> tuple[lis
     try:
         cluster.start_coordinator("--world-size", str(args.hosts))
         for i in range(args.hosts):
-            cluster.start_agent(f"host-{i}", trainer=trainer, env=ENV, extra=("--no-warm-standby",))
+            cluster.start_agent(
+                f"host-{i}",
+                trainer=trainer,
+                env=ENV,
+                extra=("--no-warm-standby", "--trainer-nice", str(args.trainer_nice)),
+            )
 
         def finished() -> Path | None:
             for path in (folder / "metrics").glob("*.jsonl"):
@@ -149,10 +162,24 @@ def main() -> int:
     parser.add_argument("--hosts", type=int, default=2)
     parser.add_argument("--snapshot-every", type=int, default=Policy().snapshot_every)
     parser.add_argument("--checkpoint-every", type=int, default=10, help="remesh run (0: none)")
+    parser.add_argument(
+        "--loop",
+        choices=("session", "own"),
+        default="session",
+        help="the remesh run's loop: Session.run (train_elastic) or the user's own (train_own_loop)",
+    )
+    parser.add_argument(
+        "--trainer-nice",
+        type=int,
+        default=10,
+        help="the agents' --trainer-nice (10, their default, keeps heartbeats ahead of a busy trainer)",
+    )
     parser.add_argument("--run-timeout", type=float, default=900.0)
     args = parser.parse_args()
     if args.steps <= args.warmup + 1:
         parser.error("--steps must exceed --warmup + 1")
+    if args.loop == "own" and args.checkpoint_every:
+        parser.error("train_own_loop writes no checkpoints: give --checkpoint-every 0 with --loop own")
     args.layers, args.seq_len, args.batch = 2, 8, 24
     args.d_model = d_model_for(args.state_mb, args.layers, args.seq_len)
     mb = state_bytes(args.d_model, args.layers, args.seq_len) / 2**20

@@ -73,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
                         json.dumps({"t": round(time.time(), 4), "step": done.step, **done.metrics}) + "\n"
                     )
         if epoch.last is not None and epoch.rank == 0:
+            if out is not None:
+                out.write(
+                    json.dumps({"t": round(time.time(), 4), "step": epoch.last.step, **epoch.last.metrics})
+                    + "\n"
+                )
             print(f"finished at step {epoch.last.step}: loss {epoch.last.metrics['loss']:.4f}", flush=True)
             if args.save_final:
                 tmp = f"{args.save_final}.tmp"  # written whole, then renamed
