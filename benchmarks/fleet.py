@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +52,11 @@ def host_ids(count: int, prefix: str = "sim") -> list[str]:
 
 
 # ---- one simulator process ----------------------------------------------------------------------
+
+
+# An acknowledgement that failed with these is sent again. CANCELLED is among them: the simulator
+# never cancels one itself unless its host crashed, yet a coordinator under load answers some with it.
+_TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
 def _emit(doc: dict[str, Any]) -> None:
@@ -96,7 +102,8 @@ class SimAgent:
             stub = pb_grpc.CoordinatorStub(self._channel)
             try:
                 await self._session(stub)
-            except grpc.aio.AioRpcError:
+            except grpc.aio.AioRpcError as exc:
+                _emit({"stream_end": self.host_id, "code": exc.code().name})
                 await asyncio.sleep(0.2 + random.random() * 0.3)  # as an agent backs off
             finally:
                 await self._channel.close(grace=None)
@@ -133,6 +140,7 @@ class SimAgent:
                     self._acks.add(ack)
                     ack.add_done_callback(self._acks.discard)
             if message.command in (pb.COMMAND_REREGISTER, pb.COMMAND_DRAIN):
+                _emit({"stream_end": self.host_id, "code": pb.Command.Name(message.command)})
                 return  # register again (a drained host would leave; the simulator keeps it simple)
             if message.command == pb.COMMAND_FINISHED:
                 self.crashed = True
@@ -144,14 +152,20 @@ class SimAgent:
         request = pb.AckEpochRequest(
             host_id=self.host_id, incarnation=incarnation, epoch=epoch, restored_step=-1, restore_source="sim"
         )
+        code = "?"
         for attempt in range(10):
             try:
                 await stub.AckEpoch(request, timeout=30)
                 return
             except grpc.aio.AioRpcError as exc:
-                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                if self.crashed:
                     return
+                code = exc.code().name
+                if exc.code() not in _TRANSIENT:
+                    break
+                _emit({"ack_retried": self.host_id, "code": code})
                 await asyncio.sleep(min(5.0, 0.2 * 2**attempt))
+        _emit({"ack_failed": self.host_id, "epoch": epoch, "code": code})
 
 
 async def _simulate(args: argparse.Namespace) -> None:
@@ -220,6 +234,8 @@ class Fleet:
     start_spread_s: float = 2.0
     arrivals: dict[int, dict[str, float]] = field(default_factory=dict)
     beats: list[tuple[float, int]] = field(default_factory=list)
+    # What went wrong at the simulated agents, counted: acknowledgements given up, streams broken.
+    trouble: Counter[str] = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
         self._procs: list[subprocess.Popen[str]] = []
@@ -276,6 +292,12 @@ class Fleet:
                     self.beats.append((doc["t"], sum(b for _, b in self._beats_by_proc.values())))
                 elif "done" in doc:
                     self._done.append(doc)
+                elif "ack_failed" in doc:
+                    self.trouble[f"acknowledgement given up ({doc['code']})"] += 1
+                elif "ack_retried" in doc:
+                    self.trouble[f"acknowledgement retried ({doc['code']})"] += 1
+                elif "stream_end" in doc:
+                    self.trouble[f"stream ended ({doc['code']})"] += 1
 
     def command(self, command: str, hosts: Sequence[str]) -> float:
         """Send ``command`` to the agents ``hosts`` at once; returns when the last simulator did it."""

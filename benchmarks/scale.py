@@ -33,9 +33,11 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import grpc
 import redis
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,6 +50,7 @@ from remesh.embedded.cluster import LocalCluster, wait_for  # noqa: E402
 from remesh.v1 import coordinator_pb2 as pb  # noqa: E402
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+T = TypeVar("T")
 
 
 def progress(message: str) -> None:
@@ -62,6 +65,22 @@ def percentile(values: list[float], q: float) -> float:
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime + stime
+
+
+_AGAIN = (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
+
+
+def patiently(call: Callable[[], T], attempts: int = 5) -> T:
+    """``call()``, sent again when the coordinator sheds it: at 2000 hosts and more it answers some calls
+    with CANCELLED while its agents' calls pour in (the agents send theirs again the same way)."""
+    for attempt in range(attempts):
+        try:
+            return call()
+        except grpc.RpcError as exc:
+            if exc.code() not in _AGAIN or attempt == attempts - 1:
+                raise
+            time.sleep(0.2 * 2**attempt)
+    raise AssertionError("unreachable")
 
 
 class Run:
@@ -99,22 +118,36 @@ class Run:
             start_spread_s=max(2.0, self.hosts / 500),
         )
         self.fleet.start(timeout=600)
+        progress(f"  {self.hosts} hosts: every simulated agent registered; waiting for the first epoch")
         wait_for(lambda: self.topology().epoch >= 1, 300, "epoch 1", interval=0.5)
+        progress(f"  {self.hosts} hosts: epoch {self.topology().epoch} published; waiting for it to go live")
         # The job formed and its current epoch is live (a host lost while forming makes epoch 2).
-        wait_for(lambda: self.live(self.topology().epoch), 300, "the job's epoch live", interval=0.5)
+        try:
+            wait_for(lambda: self.live(self.topology().epoch), 300, "the job's epoch live", interval=0.5)
+        except TimeoutError as exc:
+            epoch = self.topology().epoch
+            acked = {e.host_id for e in self.events([pb.EVENT_TYPE_EPOCH_ACKED]) if e.epoch == epoch}
+            raise TimeoutError(
+                f"{exc}: epoch {epoch} acknowledged by {len(acked)} of {len(self.active)} hosts; "
+                f"the simulators saw {dict(self.fleet.trouble) or 'nothing wrong'}"
+            ) from exc
 
     def events(self, types: list[Any], since: float = 0.0) -> list[pb.Event]:
         """The events of ``types`` (from ``since``), read incrementally: each call asks the coordinator
         only for what is new since the last one, so watching the job does not load what it measures."""
-        for event in self.cluster.stub().ReplayEvents(
-            pb.ReplayEventsRequest(after_id=self._last_id), timeout=60
-        ):
-            self._log.append(event)
-            self._last_id = event.id
+
+        def read() -> None:  # resumes after the last event read if sent again
+            for event in self.cluster.stub().ReplayEvents(
+                pb.ReplayEventsRequest(after_id=self._last_id), timeout=60
+            ):
+                self._log.append(event)
+                self._last_id = event.id
+
+        patiently(read)
         return [e for e in self._log if e.type in types and e.time >= since]
 
     def topology(self) -> pb.Topology:
-        return self.cluster.stub().GetTopology(pb.GetTopologyRequest(), timeout=60)
+        return patiently(lambda: self.cluster.stub().GetTopology(pb.GetTopologyRequest(), timeout=60))
 
     def live(self, epoch: int) -> bool:
         return any(e.epoch == epoch for e in self.events([pb.EVENT_TYPE_EPOCH_LIVE]))
@@ -168,7 +201,9 @@ class Run:
         return percentile([arrivals[h] - published for h in expect], 99)  # type: ignore[index]
 
     def up(self) -> set[str]:
-        members = self.cluster.stub().ListMembers(pb.ListMembersRequest(), timeout=60).members
+        members = patiently(
+            lambda: self.cluster.stub().ListMembers(pb.ListMembersRequest(), timeout=60)
+        ).members
         return {m.host_id for m in members if m.state == pb.MEMBER_STATE_ALIVE}
 
     def close(self) -> None:
@@ -220,8 +255,11 @@ def measure(run: Run, crashes: int, silents: int, rng: random.Random) -> dict[st
             "correlated_failure_hosts": len(victims),
             "epochs_for_correlated_failure": len(epochs),
             "correlated_failure_to_live_s": round(live_at - t, 3),
+            # Calls the simulated agents had to send again, or gave up, by status: the load they met.
+            "agent_trouble": dict(run.fleet.trouble) if run.fleet is not None else {},
         }
     )
+    progress(f"  {run.hosts} hosts: the simulated agents met {result['agent_trouble'] or 'no trouble'}")
     return result
 
 
