@@ -20,6 +20,7 @@ from remesh.coordinator.settings import PlannerSettings
 from remesh.embedded import FakeGcsServer, RedisServer
 from remesh.v1 import coordinator_pb2 as pb
 from tests.procs import Cluster, wait_for
+from tests.test_metrics import Samples, metrics_port, scrape, value
 
 # Longer than run_job's own waits, so that a job that hangs fails with its logs' tails, not with
 # pytest-timeout's bare stack.
@@ -52,7 +53,8 @@ def run_job(
     host_env: dict[str, dict[str, str]] | None = None,
     command: list[str] | None = None,
     kill_when: Callable[[Cluster], bool] | None = None,
-    before_kill: Callable[[], None] | None = None,
+    before_kill: Callable[[Cluster], None] | None = None,
+    agent_args: tuple[str, ...] = (),
 ) -> tuple[Path, Cluster]:
     """Run a 3-host tinylm job to STEPS, SIGKILLing ``victim`` once it passed step KILL_AT (or once
     ``kill_when`` holds, right after ``before_kill``). ``host_env``: more environment for one host's
@@ -64,7 +66,7 @@ def run_job(
     env = {**ENV, **(env or {})}
     try:
         cluster.start_coordinator("--world-size", "3", *coordinator_args)
-        warm = () if victim else ("--no-warm-standby",)  # a run without failures needs no standby
+        warm = agent_args + (() if victim else ("--no-warm-standby",))  # no failures: no standby needed
         for h in ("host-0", "host-1", "host-2"):
             cluster.start_agent(h, trainer=command, env={**env, **(host_env or {}).get(h, {})}, extra=warm)
         for i in range(spares):
@@ -78,7 +80,7 @@ def run_job(
             when = kill_when or reached
             wait_for(lambda: when(cluster), 120, f"the moment to kill {victim}")
             if before_kill is not None:
-                before_kill()
+                before_kill(cluster)
             cluster.agents[victim].kill()
         wait_for(final.exists, 150, "the job to finish")
     except TimeoutError as exc:
@@ -149,8 +151,28 @@ def steps_logged(cluster: Cluster) -> list[tuple[int, float, int]]:
 def test_a_killed_host_is_replaced_by_the_spare_and_the_result_is_bitwise_equal(
     tmp_path: Path, redis: RedisServer, clean_final: Path
 ) -> None:
-    final, cluster = run_job(tmp_path, redis.url, spares=1, victim="host-1")
+    published: list[Samples] = []
+
+    def scrape_host_0(cluster: Cluster) -> None:
+        published.append(scrape(metrics_port(cluster.agents["host-0"])))
+
+    final, cluster = run_job(
+        tmp_path,
+        redis.url,
+        spares=1,
+        victim="host-1",
+        before_kill=scrape_host_0,
+        agent_args=("--metrics-port", "0"),
+    )
     try:
+        # What the trainer library sent its agent by then: its steps, timed, and the snapshots of them.
+        (samples,) = published
+        me = {"host": "host-0", "job": cluster.job}
+        assert (value(samples, "remesh_trainer_steps_total", **me) or 0) >= KILL_AT - 2
+        assert (value(samples, "remesh_trainer_step_seconds_total", **me) or 0) > 0
+        assert (value(samples, "remesh_trainer_snapshots_total", **me) or 0) >= 1
+        assert (value(samples, "remesh_trainer_snapshot_bytes_total", **me) or 0) > 0
+        assert value(samples, "remesh_trainer_restores_total", **me, source="scratch") == 1
         after = cluster.topology()
         assert after.epoch == 2 and [m.host_id for m in after.members] == ["host-0", "spare-0", "host-2"]
         events = cluster.events()
@@ -361,7 +383,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one_and_stays_bi
     ckpt = tmp_path / "ckpt"  # one directory every host sees (a shared filesystem)
     corrupted: list[tuple[int, int, str]] = []  # (newest, previous, file)
 
-    def corrupt() -> None:
+    def corrupt(_: Cluster) -> None:
         *_, previous, newest = committed_steps(ckpt)
         step_dir = ckpt / f"step_{newest:010d}"
         files = json.loads((step_dir / "COMMITTED").read_text())["files"]

@@ -64,6 +64,18 @@ class TrainerExit:
     stopped: bool  # the agent stopped it on purpose
     hung: bool = False  # the agent killed it for making no progress
 
+    @property
+    def cause(self) -> str:
+        """How it ended, for metrics: stopped (by the agent), hung (killed for it), completed (exit
+        0), signal (killed by one), or error (another exit code)."""
+        if self.stopped:
+            return "stopped"
+        if self.hung:
+            return "hung"
+        if self.returncode == 0:
+            return "completed"
+        return "signal" if self.returncode < 0 else "error"
+
 
 @dataclass(frozen=True)
 class Decision:

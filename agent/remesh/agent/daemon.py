@@ -42,6 +42,7 @@ from remesh.agent import core
 from remesh.agent.connection import CoordinatorLink, leader_hint, metadata
 from remesh.agent.core import AgentState, Decision, Do, Fault
 from remesh.agent.local_api import LocalApi
+from remesh.agent.metrics import AgentMetrics
 from remesh.agent.settings import AgentSettings
 from remesh.agent.supervisor import Role, Run, TrainerProcess
 from remesh.v1 import agent_pb2 as apb
@@ -138,6 +139,9 @@ class Agent:
         # Where the agent stands with the coordinator, and whether it starts trainers (core.AgentState).
         self.state = AgentState()
         self._starting = asyncio.Lock()
+        self.metrics = AgentMetrics(settings.host_id, settings.job_id)
+        # Read when scraped (another thread): a warm standby is ready while its process runs.
+        self.metrics.standby_ready.set_function(lambda: float(self.warm is not None and self.warm.running()))
         self.link = CoordinatorLink(
             settings.coordinators,
             keepalive_s=settings.keepalive_s,
@@ -167,9 +171,15 @@ class Agent:
         apb_grpc.add_AgentLocalServicer_to_server(LocalApi(self), local)
         private_dir = self._bind_local(local)
         await local.start()
+        metrics_port = (
+            self.metrics.serve(self.settings.metrics_port, self.settings.metrics_address)
+            if self.settings.metrics_port is not None
+            else None
+        )
         self.log.info(
             "agent started",
             local_api=self.local_address,
+            metrics_port=metrics_port,
             coordinators=",".join(self.settings.coordinators),
             tls=self.settings.tls is not None,
         )
@@ -285,6 +295,7 @@ class Agent:
     async def _session(self) -> None:
         """Register, then keep one heartbeat stream until it ends."""
         stub = self._connect()
+        t_register = time.monotonic()
         reply = await stub.Register(
             pb.RegisterRequest(
                 host_id=self.settings.host_id,
@@ -295,6 +306,8 @@ class Agent:
             timeout=self.settings.coordinator_silence_s,
         )
         self.link.registered()
+        self.metrics.call("Register", time.monotonic() - t_register)
+        self.metrics.registrations.inc()
         self.incarnation = reply.member.incarnation
         self.state = self.state.registered(
             epoch=reply.topology.epoch,
@@ -306,6 +319,13 @@ class Agent:
         interval = reply.heartbeat_interval_s or 0.1
         call = stub.Heartbeat(self._heartbeats(interval))
         silence = self.settings.coordinator_silence_s
+        self.metrics.connected.set(1)
+        try:
+            await self._read_stream(call, silence)
+        finally:
+            self.metrics.connected.set(0)
+
+    async def _read_stream(self, call: Any, silence: float) -> None:
         while True:
             try:
                 message = await asyncio.wait_for(call.read(), silence)
@@ -442,6 +462,8 @@ class Agent:
         if changed:
             await self._assignments_changed()
         rank = self._rank(topology)
+        self.metrics.epoch.set(topology.epoch)
+        self.metrics.rank.set(rank)
         self.log.info(
             "topology",
             rank=rank,
@@ -480,6 +502,7 @@ class Agent:
         )
         trainer.slot = self._slots
         await trainer.start()
+        self.metrics.trainer_started(role.value)
         return trainer
 
     async def _start_trainer(self, topology: pb.Topology, rank: int) -> None:
@@ -565,6 +588,7 @@ class Agent:
 
     async def _watch_trainer(self, trainer: TrainerProcess) -> None:
         result = await trainer.wait()
+        self.metrics.trainer_exited(result.cause, active=self.trainer is trainer)
         if self.trainer is not trainer:
             return
         self.log.info(
@@ -628,15 +652,17 @@ class Agent:
         if self.trainer is not None and epoch > self.trainer.epoch:
             self.trainer.epoch = epoch
 
-    def report_progress(self, step: int, epoch: int) -> int:
+    def report_progress(self, step: int, epoch: int, totals: apb.TrainerTotals | None = None) -> int:
         self._trainer_runs(epoch)
+        if totals is not None:
+            self.metrics.trainer_totals(totals)
         if step != self.last_step:
             self.last_progress = time.monotonic()
             self._progress.set()
         self.last_step = step
         return int(self.topology.epoch)
 
-    async def _relay(self, call: Callable[[pb_grpc.CoordinatorStub, int], Awaitable[T]]) -> T:
+    async def _relay(self, method: str, call: Callable[[pb_grpc.CoordinatorStub, int], Awaitable[T]]) -> T:
         """A call the trainer waits on, sent to whichever coordinator leads now.
 
         Retried through a leader change, a reconnect or a call shed under load (``_RELAY_AGAIN``) for
@@ -646,8 +672,11 @@ class Agent:
         deadline = time.monotonic() + _RELAYED_CALL_S
         pause = 0.05
         while True:
+            sent = time.monotonic()
             try:
-                return await call(self._connect(), self.incarnation)
+                answer = await call(self._connect(), self.incarnation)
+                self.metrics.call(method, time.monotonic() - sent)
+                return answer
             except grpc.aio.AioRpcError as exc:
                 transient = exc.code() in _RELAY_AGAIN
                 if not transient or time.monotonic() + pause >= deadline:
@@ -671,7 +700,8 @@ class Agent:
                 timeout=2,
             )
 
-        reply = await self._relay(ack)
+        reply = await self._relay("AckEpoch", ack)
+        self.metrics.restored(request.restore_source, request.phases.get("restore"), request.restored_bytes)
         self.last_progress = time.monotonic()
         self._trainer_runs(request.epoch)
         if request.restored_step >= 0:
@@ -696,7 +726,7 @@ class Agent:
                 timeout=2,
             )
 
-        await self._relay(commit)
+        await self._relay("CommitCheckpoint", commit)
 
     async def report_stall(self, request: apb.LocalStallRequest) -> None:
         """The trainer has been blocked in a step for a while: the coordinator weighs it against its
@@ -721,7 +751,7 @@ class Agent:
             step=request.step,
             blocked_s=round(request.blocked_s, 2),
         )
-        await self._relay(stall)
+        await self._relay("ReportFault", stall)
 
     async def finish(self, request: apb.LocalFinishRequest) -> None:
         """The trainer completed the job's last step: tell the coordinator, and from now on take no
@@ -739,7 +769,7 @@ class Agent:
             )
 
         try:
-            await self._relay(finish)
+            await self._relay("Finish", finish)
         except grpc.aio.AioRpcError as exc:
             if not metadata(exc, FINISHED_METADATA):
                 raise

@@ -35,7 +35,9 @@ class LocalApi(apb_grpc.AgentLocalServicer):
         self, request: apb.ReportProgressRequest, context: grpc.aio.ServicerContext
     ) -> apb.ReportProgressResponse:
         return apb.ReportProgressResponse(
-            current_epoch=self._agent.report_progress(request.step, request.epoch)
+            current_epoch=self._agent.report_progress(
+                request.step, request.epoch, request.totals if request.HasField("totals") else None
+            )
         )
 
     async def AckEpoch(

@@ -23,6 +23,10 @@ class AgentSettings:
     # Local API for the trainer (its address passed in the trainer's environment): "" is a Unix
     # socket in a directory only this user may enter; host:port binds TCP (port 0: a free one).
     local_listen: str = ""
+    # Prometheus /metrics of the agent and its trainer on this port (None: off; 0: a free one), bound
+    # to ``metrics_address`` (0.0.0.0 in a pod, for the scraper).
+    metrics_port: int | None = None
+    metrics_address: str = "127.0.0.1"
     # This host's certificate, key and the job's CA (mutual TLS to the coordinator); None: plain
     # gRPC, for local experiments (``remesh agent --insecure``).
     tls: Tls | None = None

@@ -20,7 +20,23 @@ from remesh.v1 import agent_pb2 as apb
 from remesh.v1 import agent_pb2_grpc as apb_grpc
 from remesh.v1.contract import Env, TrainerAssignment
 
-__all__ = ["AgentClient", "Assignment"]
+__all__ = ["AgentClient", "Assignment", "trainer_totals"]
+
+
+def trainer_totals(stats: Mapping[str, float]) -> apb.TrainerTotals:
+    """The session's running totals (``Session.stats``) as the agent takes them."""
+    return apb.TrainerTotals(
+        steps=int(stats.get("steps", 0)),
+        step_seconds=float(stats.get("step_s", 0.0)),
+        snapshots=int(stats.get("snapshots", 0)),
+        snapshot_seconds=float(stats.get("snapshot_s", 0.0)),
+        snapshot_bytes=int(stats.get("snapshot_bytes", 0)),
+        checkpoints=int(stats.get("checkpoints", 0)),
+        checkpoint_save_seconds=float(stats.get("checkpoint_save_s", 0.0)),
+        checkpoint_wait_seconds=float(stats.get("checkpoint_wait_s", 0.0)),
+        peer_failures=int(stats.get("peer_failures", 0)),
+    )
+
 
 log = structlog.get_logger("remesh.elastic")
 
@@ -87,7 +103,7 @@ class AgentClient:
         self._watch.start()
         # The newest (step, epoch) to report and not yet sent, and whether a report is on its way:
         # progress goes out from a background thread, coalesced, so no step waits for an RPC.
-        self._progress: tuple[int, int] | None = None
+        self._progress: tuple[int, int, dict[str, float] | None] | None = None
         self._sending = False
         self._progress_due = threading.Condition()
         self._reporter: threading.Thread | None = None
@@ -142,21 +158,26 @@ class AgentClient:
             self._changed.wait_for(lambda: predicate(self._latest), timeout)
             return self._latest if predicate(self._latest) else None
 
-    def report_progress(self, step: int, epoch: int) -> int:
-        """Tell the agent a step completed; returns the newest epoch it knows (-1 when the agent did
-        not answer: progress is advisory, and the next step reports again)."""
+    def report_progress(self, step: int, epoch: int, totals: Mapping[str, float] | None = None) -> int:
+        """Tell the agent a step completed (and, with ``totals``, the session's running totals: see
+        ``trainer_totals``); returns the newest epoch it knows (-1 when the agent did not answer:
+        progress is advisory, and the next step reports again)."""
+        request = apb.ReportProgressRequest(step=step, epoch=epoch)
+        if totals is not None:
+            request.totals.CopyFrom(trainer_totals(totals))
         try:
-            reply = self._stub.ReportProgress(apb.ReportProgressRequest(step=step, epoch=epoch), timeout=5)
+            reply = self._stub.ReportProgress(request, timeout=5)
         except grpc.RpcError as exc:
             log.warning("progress report not delivered", step=step, error=str(_refusal(exc, "progress")))
             return -1
         return int(reply.current_epoch)
 
-    def report_progress_later(self, step: int, epoch: int) -> None:
+    def report_progress_later(self, step: int, epoch: int, totals: Mapping[str, float] | None = None) -> None:
         """Report a completed step from the background and return at once. Reports that pile up
-        behind a slow one are coalesced into the newest: the coordinator needs only the last step."""
+        behind a slow one are coalesced into the newest: the coordinator needs only the last step,
+        and the totals are running totals (copied now: the caller goes on counting)."""
         with self._progress_due:
-            self._progress = (step, epoch)
+            self._progress = (step, epoch, dict(totals) if totals is not None else None)
             self._progress_due.notify_all()
             if self._reporter is None:
                 self._reporter = threading.Thread(target=self._report, name="remesh-progress", daemon=True)

@@ -509,17 +509,26 @@ class Session:
         self._done_at = 0.0
         # Seconds the training loop waited for a checkpoint save to finish, and seconds spent saving
         # (in the background); for goodput accounting.
+        # Also sent to the agent with each progress report (its remesh_trainer_* metrics).
         self.stats: dict[str, float] = {
+            "steps": 0,  # steps completed, each timed from its predecessor (not an epoch's first)
+            "step_s": 0.0,
+            "checkpoints": 0,  # checkpoint saves finished
             "checkpoint_wait_s": 0.0,
             "checkpoint_save_s": 0.0,
+            "snapshots": 0,
+            "snapshot_bytes": 0,
             "snapshot_s": 0.0,  # seconds spent taking snapshots, in the background
             "snapshots_skipped": 0,
+            "peer_failures": 0,  # epochs left because a peer failed (a collective timed out or broke)
             "buddy_copies": 0,
             "buddy_copies_failed": 0,
             "buddy_wait_s": 0.0,  # seconds the loop waited for buddy copies to catch up
         }
         # Where the last restore took its state from: bytes per tier, and the step.
         self.last_restore: dict[str, Any] = {}
+        # (epoch, step, when) of the last step completed: the next one is timed from it.
+        self._last_completed: tuple[int, int, float] | None = None
         # (epoch, since, grace, what) of the blocking work running now (joining an epoch, or a
         # step): the watchdog's view of the training loop.
         self._blocked: tuple[int, float, float, str] | None = None
@@ -599,6 +608,8 @@ class Session:
                 return
             except Recoverable as exc:
                 recoveries += 1
+                if isinstance(exc, PeerFailure):
+                    self.stats["peer_failures"] += 1
                 t_fail = time.monotonic()
                 log.warning("leaving epoch", epoch=assignment.epoch, reason=str(exc), recovery=recoveries)
                 # Orbax and the snapshot copies read from the devices: they must finish before the
@@ -805,7 +816,12 @@ class Session:
         self._blocked = None
         self._done_at = time.monotonic()
         self._step = step
-        self.agent.report_progress_later(step, assignment.epoch)
+        last = self._last_completed
+        if last is not None and last[:2] == (assignment.epoch, step - 1):
+            self.stats["steps"] += 1
+            self.stats["step_s"] += self._done_at - last[2]
+        self._last_completed = (assignment.epoch, step, self._done_at)
+        self.agent.report_progress_later(step, assignment.epoch, self.stats)
         return StepResult(step, assignment.epoch, assignment.world_size, host_metrics)
 
     # ---- snapshots -------------------------------------------------------------------------------
@@ -872,6 +888,8 @@ class Session:
             log.info("snapshot not taken: its step failed", step=step, error=str(exc).splitlines()[0])
             return
         self._last_pieces = self.snapshots.put(step, epoch, pieces)
+        self.stats["snapshots"] += 1
+        self.stats["snapshot_bytes"] += sum(int(p.nbytes) for p in pieces.values())
         self.stats["snapshot_s"] += time.monotonic() - t
 
     def _wait_for_snapshots(self) -> None:
@@ -1293,6 +1311,7 @@ class Session:
                 )[0]:
                     continue
                 store.write_global(step, tree)
+                self.stats["checkpoints"] += 1
                 if assignment.rank == 0:
                     try:
                         store.commit_global(step, assignment.epoch, {"step": step}, approve=self._approve)
@@ -1350,6 +1369,7 @@ class Session:
                 return
             try:
                 store.save(step, epoch, tree, {"step": step}, approve=self._approve)
+                self.stats["checkpoints"] += 1
             except StaleEpoch as exc:
                 log.warning(
                     "checkpoint not committed: its epoch is over", store=store.name, step=step, error=str(exc)

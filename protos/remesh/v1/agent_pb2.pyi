@@ -28,12 +28,36 @@ class WatchAssignmentsRequest(_message.Message):
     def __init__(self, after_epoch: _Optional[int] = ..., slot: _Optional[int] = ...) -> None: ...
 
 class ReportProgressRequest(_message.Message):
-    __slots__ = ("step", "epoch")
+    __slots__ = ("step", "epoch", "totals")
     STEP_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TOTALS_FIELD_NUMBER: _ClassVar[int]
     step: int
     epoch: int
-    def __init__(self, step: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    totals: TrainerTotals
+    def __init__(self, step: _Optional[int] = ..., epoch: _Optional[int] = ..., totals: _Optional[_Union[TrainerTotals, _Mapping]] = ...) -> None: ...
+
+class TrainerTotals(_message.Message):
+    __slots__ = ("steps", "step_seconds", "snapshots", "snapshot_seconds", "snapshot_bytes", "checkpoints", "checkpoint_save_seconds", "checkpoint_wait_seconds", "peer_failures")
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_SAVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PEER_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    steps: int
+    step_seconds: float
+    snapshots: int
+    snapshot_seconds: float
+    snapshot_bytes: int
+    checkpoints: int
+    checkpoint_save_seconds: float
+    checkpoint_wait_seconds: float
+    peer_failures: int
+    def __init__(self, steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., snapshots: _Optional[int] = ..., snapshot_seconds: _Optional[float] = ..., snapshot_bytes: _Optional[int] = ..., checkpoints: _Optional[int] = ..., checkpoint_save_seconds: _Optional[float] = ..., checkpoint_wait_seconds: _Optional[float] = ..., peer_failures: _Optional[int] = ...) -> None: ...
 
 class ReportProgressResponse(_message.Message):
     __slots__ = ("current_epoch",)

@@ -67,6 +67,17 @@ def add_parser(sub: Any) -> None:
         help="host:port of the local API for the trainer (TCP: any local user can reach it); default: a "
         "Unix socket in a directory only this user may enter",
     )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus /metrics of the agent and its trainer on this port (0: a free one, logged)",
+    )
+    p.add_argument(
+        "--metrics-address",
+        default="127.0.0.1",
+        help="address /metrics binds to (0.0.0.0 where a scraper on another host reads it)",
+    )
     add_tls_arguments(p, "this host's (role host, named by --host-id)")
     p.add_argument("trainer", nargs=argparse.REMAINDER, help="-- followed by the trainer command")
     p.set_defaults(run=run)
@@ -100,6 +111,8 @@ def run(args: argparse.Namespace) -> int:
         warm_standby=not args.no_warm_standby,
         lease_s=args.lease,
         trainer_nice=args.trainer_nice,
+        metrics_port=args.metrics_port,
+        metrics_address=args.metrics_address,
         tls=tls,
     )
     return asyncio.run(_main(Agent(settings)))

@@ -125,15 +125,24 @@ def main() -> int:
         epoch, step = assignment.topology.epoch, max(assignment.topology.restore_step, 0)
     _ack(stub, epoch, step)
     failure = _injected_failure()
+    # Running totals, as the trainer library sends them (the agent's remesh_trainer_* metrics).
+    totals = apb.TrainerTotals()
+    last = time.monotonic()
     while True:
         time.sleep(STEP_S)
         step += 1
+        now = time.monotonic()
+        totals.steps += 1
+        totals.step_seconds += now - last
+        last = now
         if failure and epoch == 1 and step >= failure[0]:
             if failure[1] == "hang":
                 time.sleep(3600)
             return int(failure[1])
         progress = functools.partial(
-            stub.ReportProgress, apb.ReportProgressRequest(step=step, epoch=epoch), timeout=CALL_TIMEOUT_S
+            stub.ReportProgress,
+            apb.ReportProgressRequest(step=step, epoch=epoch, totals=totals),
+            timeout=CALL_TIMEOUT_S,
         )
         reply = _retrying(f"ReportProgress({step})", progress)
         if reply.current_epoch > epoch:
@@ -141,6 +150,7 @@ def main() -> int:
             epoch = assignment.topology.epoch
             step = max(assignment.topology.restore_step, 0)
             _ack(stub, epoch, step)
+            last = time.monotonic()  # an epoch's first step is not timed
 
 
 if __name__ == "__main__":

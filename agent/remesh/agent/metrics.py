@@ -1,0 +1,148 @@
+"""Prometheus metrics of one agent and of the trainer it supervises, on a registry of its own.
+
+One endpoint per host: the trainer sends its running totals with its progress reports (the local
+API) and the agent publishes them here, so a host is one scrape target whatever its trainer does
+(restarts, a warm standby beside it). Counters run on across trainer restarts: a new trainer's
+totals start at zero and are added to what the earlier ones reported.
+
+Every series carries ``host`` and ``job`` labels, the ones operators filter a fleet by.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from remesh.v1 import agent_pb2 as apb
+
+__all__ = ["TOTALS", "AgentMetrics"]
+
+# TrainerTotals field -> (metric name, help). Counters: their names end in _total once exposed.
+TOTALS: Mapping[str, tuple[str, str]] = {
+    "steps": ("remesh_trainer_steps", "Training steps completed and timed (an epoch's first is not)"),
+    "step_seconds": ("remesh_trainer_step_seconds", "Wall time of the timed steps"),
+    "snapshots": ("remesh_trainer_snapshots", "Host-memory snapshots taken"),
+    "snapshot_seconds": (
+        "remesh_trainer_snapshot_seconds",
+        "Time spent taking snapshots (in the background)",
+    ),
+    "snapshot_bytes": ("remesh_trainer_snapshot_bytes", "Bytes copied into snapshots"),
+    "checkpoints": ("remesh_trainer_checkpoints", "Checkpoint saves finished"),
+    "checkpoint_save_seconds": (
+        "remesh_trainer_checkpoint_save_seconds",
+        "Time spent saving checkpoints (in the background)",
+    ),
+    "checkpoint_wait_seconds": (
+        "remesh_trainer_checkpoint_wait_seconds",
+        "Time the training loop waited for a checkpoint save to finish",
+    ),
+    "peer_failures": (
+        "remesh_trainer_peer_failures",
+        "Epochs the trainer left because a peer failed (a collective timed out or broke)",
+    ),
+}
+
+
+class AgentMetrics:
+    def __init__(self, host: str, job: str) -> None:
+        self.registry = CollectorRegistry()
+        self._labels = {"host": host, "job": job}
+        names = ["host", "job"]
+        r = self.registry
+        self.trainer_starts = Counter(
+            "remesh_agent_trainer_starts",
+            "Trainer processes started (role: active, or standby kept warm)",
+            [*names, "role"],
+            registry=r,
+        )
+        self.trainer_exits = Counter(
+            "remesh_agent_trainer_exits",
+            "Trainer processes that ended, by cause (completed, error, signal, hung, stopped)",
+            [*names, "cause"],
+            registry=r,
+        )
+        # Families with only the host and job labels are used through their one child.
+        labels = self._labels
+        self.registrations = Counter(
+            "remesh_agent_registrations", "Times the agent registered with a coordinator", names, registry=r
+        ).labels(**labels)
+        self.connected = Gauge(
+            "remesh_agent_connected",
+            "1 while the agent is registered and its heartbeat stream is open",
+            names,
+            registry=r,
+        ).labels(**labels)
+        self.epoch = Gauge(
+            "remesh_agent_epoch", "Newest topology epoch the agent knows", names, registry=r
+        ).labels(**labels)
+        self.rank = Gauge(
+            "remesh_agent_rank", "This host's rank in that epoch (-1: none)", names, registry=r
+        ).labels(**labels)
+        self.rank.set(-1)
+        self.standby_ready = Gauge(
+            "remesh_agent_standby_ready", "1 while a warm standby trainer is running", names, registry=r
+        ).labels(**labels)
+        self._call_seconds = Histogram(
+            "remesh_agent_coordinator_call_seconds",
+            "Round trip of the agent's calls to the coordinator (Register, and the trainer's relayed calls)",
+            [*names, "method"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+            registry=r,
+        )
+        self.restores = Counter(
+            "remesh_trainer_restores",
+            "Epochs the trainer joined, by where its state came from (memory, peer, buddy, local, gcs, "
+            "scratch, ...)",
+            [*names, "source"],
+            registry=r,
+        )
+        self.restore_seconds = Gauge(
+            "remesh_trainer_restore_seconds",
+            "Time the trainer took to restore its state when it last joined an epoch",
+            names,
+            registry=r,
+        ).labels(**labels)
+        self.restored_bytes = Counter(
+            "remesh_trainer_restored_bytes", "Bytes of state restored, by tier", [*names, "tier"], registry=r
+        )
+        self.totals = {
+            field: Counter(name, help_text, names, registry=r).labels(**labels)
+            for field, (name, help_text) in TOTALS.items()
+        }
+        self._reported: dict[str, float] = {}  # the current trainer's totals as last reported
+
+    def call(self, method: str, seconds: float) -> None:
+        self._call_seconds.labels(**self._labels, method=method).observe(seconds)
+
+    def trainer_started(self, role: str) -> None:
+        self.trainer_starts.labels(**self._labels, role=role).inc()
+
+    def trainer_exited(self, cause: str, active: bool) -> None:
+        self.trainer_exits.labels(**self._labels, cause=cause).inc()
+        if active:
+            self._reported = {}  # the next trainer counts from zero again
+
+    def trainer_totals(self, totals: apb.TrainerTotals) -> None:
+        """Add what the trainer did since its last report (its totals run from its own start)."""
+        for field, counter in self.totals.items():
+            value = float(getattr(totals, field))
+            before = self._reported.get(field, 0.0)
+            if value < before:  # a trainer process we did not see exit: its totals restarted
+                before = 0.0
+            if value > before:
+                counter.inc(value - before)
+            self._reported[field] = value
+
+    def restored(self, source: str, seconds: float | None, tiers: Mapping[str, int]) -> None:
+        self.restores.labels(**self._labels, source=source or "unknown").inc()
+        if seconds is not None:
+            self.restore_seconds.set(seconds)
+        for tier, nbytes in tiers.items():
+            if nbytes > 0:
+                self.restored_bytes.labels(**self._labels, tier=tier).inc(nbytes)
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> int:
+        """Serve /metrics on ``port`` (0: a free one) in a thread; returns the port bound."""
+        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
+        return int(server.server_port)

@@ -1,0 +1,103 @@
+"""/metrics of every component, scraped from real processes: a coordinator, agents and their stand-in
+trainers (which send running totals as the trainer library does). Every endpoint must parse as the
+Prometheus text format (prometheus_client's own parser), carry the host and job labels, and move
+when the job does: steps add up, a SIGKILLed trainer is counted by cause, and the counters run on
+across the restart."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import urllib.request
+from collections.abc import Mapping
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from remesh.agent.metrics import TOTALS
+from remesh.embedded.standin import STEP_S
+from remesh.v1 import coordinator_pb2 as pb
+from tests.procs import Cluster, Proc, wait_for
+
+pytestmark = pytest.mark.integration
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape(port: int) -> Samples:
+    """Every sample on the endpoint; a line that is not valid exposition format fails the parse."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(samples: Samples, name: str, **labels: str) -> float | None:
+    return samples.get((name, frozenset(labels.items())))
+
+
+def metrics_port(proc: Proc) -> int:
+    match = re.search(r"metrics_port=(\d+)", proc.output())
+    assert match, proc.output()[-2000:]
+    return int(match.group(1))
+
+
+def first_trainer_pid(agent: Proc) -> int:
+    match = re.search(r"trainer started\s+.*?pid=(\d+)", agent.output())
+    assert match, agent.output()[-2000:]
+    return int(match.group(1))
+
+
+def test_agents_and_trainers_publish_what_they_do_and_a_killed_trainer_is_counted(
+    cluster: Cluster, job_id: str
+) -> None:
+    coordinator = cluster.start_coordinator("--world-size", "2", "--metrics-port", "0")
+    for host in ("host-0", "host-1"):
+        cluster.start_agent(host, extra=("--metrics-port", "0"))
+    cluster.wait_epoch(1)
+    wait_for(lambda: any(e.type == pb.EVENT_TYPE_EPOCH_LIVE for e in cluster.events()), 30, "epoch 1 live")
+    agent = cluster.agents["host-0"]
+    port = metrics_port(agent)
+    me: Mapping[str, str] = {"host": "host-0", "job": job_id}
+
+    def totals_past(steps: float) -> Samples | None:
+        s = scrape(port)
+        return s if (value(s, "remesh_trainer_steps_total", **me) or 0) > steps else None
+
+    samples = wait_for(lambda: totals_past(10), 30, "host-0's trainer to report 10 timed steps")
+    assert value(samples, "remesh_agent_connected", **me) == 1
+    assert value(samples, "remesh_agent_epoch", **me) == 1
+    assert value(samples, "remesh_agent_rank", **me) in (0, 1)
+    assert value(samples, "remesh_agent_registrations_total", **me) == 1
+    assert value(samples, "remesh_agent_trainer_starts_total", **me, role="active") == 1
+    assert value(samples, "remesh_trainer_restores_total", **me, source="stand-in") == 1
+    assert (value(samples, "remesh_agent_coordinator_call_seconds_count", **me, method="Register") or 0) >= 1
+    assert (value(samples, "remesh_agent_coordinator_call_seconds_count", **me, method="AckEpoch") or 0) >= 1
+    # The mean step time comes out of the two counters, as a dashboard computes it: at least the
+    # stand-in's sleep per step.
+    steps = value(samples, "remesh_trainer_steps_total", **me)
+    seconds = value(samples, "remesh_trainer_step_seconds_total", **me)
+    assert steps is not None and seconds is not None and seconds / steps >= 0.9 * STEP_S
+    # Every trainer total is published from the start, with the labels operators filter by.
+    for name, _help in TOTALS.values():
+        assert value(samples, f"{name}_total", **me) is not None, name
+    # The warm standby starts once the active trainer acknowledged its epoch.
+    wait_for(lambda: value(scrape(port), "remesh_agent_standby_ready", **me) == 1, 30, "a warm standby")
+
+    os.kill(first_trainer_pid(agent), signal.SIGKILL)
+
+    def counted() -> Samples | None:
+        s = scrape(port)
+        killed = value(s, "remesh_agent_trainer_exits_total", **me, cause="signal") == 1
+        return s if killed and (value(s, "remesh_trainer_steps_total", **me) or 0) > steps + 5 else None
+
+    after = wait_for(counted, 60, "the kill counted and the next trainer's steps added")
+    assert (value(after, "remesh_trainer_step_seconds_total", **me) or 0) > seconds
+    # The other host's endpoint is its own, and the coordinator's parses too.
+    other = scrape(metrics_port(cluster.agents["host-1"]))
+    assert value(other, "remesh_agent_connected", host="host-1", job=job_id) == 1
+    assert value(other, "remesh_agent_connected", **me) is None
+    assert (value(scrape(metrics_port(coordinator)), "remesh_epoch") or 0) >= 1
