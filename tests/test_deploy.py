@@ -103,6 +103,7 @@ def test_every_object_renders_and_validates_against_the_kubernetes_schemas(
     assert skipped == {  # custom resources only
         "JobSet/tinylm",
         "PodMonitoring/remesh-coordinator",
+        "PodMonitoring/remesh-worker",
         "Issuer/remesh-bootstrap",
         "Issuer/remesh-ca",
         "Certificate/remesh-ca",
@@ -277,9 +278,14 @@ def test_network_policies_open_only_the_paths_remesh_uses(rendered: dict[str, Ob
     ]
     (to_redis,) = policies["coordinator"]["egress"]
     assert selects(to_redis["to"][0]["podSelector"], redis_labels)
-    # Workers reach each other on any port (JAX coordination service, collectives), nothing else in.
-    (peers,) = policies["worker"]["ingress"]
+    # Workers reach each other on any port (JAX coordination service, collectives); the managed
+    # Prometheus reaches their agents' /metrics; nothing else comes in.
+    peers, scrape = policies["worker"]["ingress"]
     assert "ports" not in peers and all(selects(peers["from"][0]["podSelector"], w) for w in worker_labels)
+    assert [p["port"] for p in scrape["ports"]] == [9100]
+    assert scrape["from"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gmp-system"}}}
+    ]
     # DNS for everyone.
     assert {(p["port"], p["protocol"]) for p in policies["allow-dns"]["egress"][0]["ports"]} == {
         (53, "UDP"),
@@ -346,6 +352,16 @@ def test_each_worker_pod_runs_the_agent_supervising_the_trainer_as_its_child(
         }
         # Outlasts the replacement of a coordinator pod, so that stops no trainer (docs/deploy.md).
         assert args.lease >= 15
+        # /metrics of the agent and its trainer on the port named `metrics`, which the GKE overlay's
+        # PodMonitoring scrapes on every worker pod.
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert args.metrics_port == ports["metrics"] and args.metrics_address == "0.0.0.0"
+        monitor = one(rendered["overlays/gke"], "PodMonitoring", "remesh-worker")
+        assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+        assert (
+            monitor["spec"]["selector"]["matchLabels"].items()
+            <= job["template"]["metadata"]["labels"].items()
+        )
         env = {e["name"]: e for e in container["env"]}
         assert env["REMESH_COORDINATOR"]["valueFrom"]["configMapKeyRef"]["key"] == "coordinator"
         assert config["coordinator"].split(":")[0] == "remesh-coordinator"
