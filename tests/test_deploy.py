@@ -170,6 +170,14 @@ def test_coordinator_runs_three_replicas_with_grpc_health_probes_and_flags_the_c
     assert one(rendered["overlays/local"], "Deployment", "remesh-coordinator")["spec"]["replicas"] == 1
 
 
+def test_the_gke_overlays_provision_the_grafana_dashboard(rendered: dict[str, Objects]) -> None:
+    dashboard = (ROOT / "deploy/k8s/components/dashboards/remesh-job.json").read_text()
+    for target in ("overlays/gke", "overlays/gke-memorystore"):
+        config_map = one(rendered[target], "ConfigMap", "remesh-grafana-dashboard")
+        assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"  # the sidecar's label
+        assert config_map["data"] == {"remesh-job.json": dashboard}
+
+
 def test_redis_keeps_an_append_only_file_on_a_volume_and_memorystore_replaces_it(
     rendered: dict[str, Objects],
 ) -> None:

@@ -167,7 +167,7 @@ def test_a_killed_host_is_replaced_by_the_spare_and_the_result_is_bitwise_equal(
     try:
         # What the trainer library sent its agent by then: its steps, timed, and the snapshots of them.
         (samples,) = published
-        me = {"host": "host-0", "job": cluster.job}
+        me = {"host": "host-0", "job_id": cluster.job}
         assert (value(samples, "remesh_trainer_steps_total", **me) or 0) >= KILL_AT - 2
         assert (value(samples, "remesh_trainer_step_seconds_total", **me) or 0) > 0
         assert (value(samples, "remesh_trainer_snapshots_total", **me) or 0) >= 1

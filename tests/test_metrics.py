@@ -6,11 +6,14 @@ across the restart."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -51,6 +54,22 @@ def first_trainer_pid(agent: Proc) -> int:
     return int(match.group(1))
 
 
+DASHBOARD = Path(__file__).resolve().parent.parent / "deploy/k8s/components/dashboards/remesh-job.json"
+
+
+def queries(node: Any) -> Iterator[str]:
+    """Every PromQL expression of a Grafana dashboard: panel targets, annotations, variables."""
+    if isinstance(node, dict):
+        for key, item in node.items():
+            if key in ("expr", "query", "definition") and isinstance(item, str):
+                yield item
+            else:
+                yield from queries(item)
+    elif isinstance(node, list):
+        for item in node:
+            yield from queries(item)
+
+
 def test_agents_and_trainers_publish_what_they_do_and_a_killed_trainer_is_counted(
     cluster: Cluster, job_id: str
 ) -> None:
@@ -61,7 +80,7 @@ def test_agents_and_trainers_publish_what_they_do_and_a_killed_trainer_is_counte
     wait_for(lambda: any(e.type == pb.EVENT_TYPE_EPOCH_LIVE for e in cluster.events()), 30, "epoch 1 live")
     agent = cluster.agents["host-0"]
     port = metrics_port(agent)
-    me: Mapping[str, str] = {"host": "host-0", "job": job_id}
+    me: Mapping[str, str] = {"host": "host-0", "job_id": job_id}
 
     def totals_past(steps: float) -> Samples | None:
         s = scrape(port)
@@ -98,6 +117,17 @@ def test_agents_and_trainers_publish_what_they_do_and_a_killed_trainer_is_counte
     assert (value(after, "remesh_trainer_step_seconds_total", **me) or 0) > seconds
     # The other host's endpoint is its own, and the coordinator's parses too.
     other = scrape(metrics_port(cluster.agents["host-1"]))
-    assert value(other, "remesh_agent_connected", host="host-1", job=job_id) == 1
+    assert value(other, "remesh_agent_connected", host="host-1", job_id=job_id) == 1
     assert value(other, "remesh_agent_connected", **me) is None
-    assert (value(scrape(metrics_port(coordinator)), "remesh_epoch") or 0) >= 1
+    served = scrape(metrics_port(coordinator))
+    assert (value(served, "remesh_epoch") or 0) >= 1
+    assert (value(served, "remesh_epoch_live_seconds_count") or 0) >= 1  # epoch 1 went live
+
+    # Every metric the Grafana dashboard (deploy/) queries is served by a live component.
+    dashboard = json.loads(DASHBOARD.read_text())
+    names = {name for expr in queries(dashboard) for name in re.findall(r"\bremesh_[a-z0-9_]+", expr)}
+    exposed = {name for name, _labels in {**served, **after, **other}}
+    assert len(names) >= 15 and names <= exposed, sorted(names - exposed)
+    panels = dashboard["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    assert all(t["expr"] for p in panels for t in p["targets"])

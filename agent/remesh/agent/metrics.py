@@ -5,7 +5,8 @@ API) and the agent publishes them here, so a host is one scrape target whatever 
 (restarts, a warm standby beside it). Counters run on across trainer restarts: a new trainer's
 totals start at zero and are added to what the earlier ones reported.
 
-Every series carries ``host`` and ``job`` labels, the ones operators filter a fleet by.
+Every series carries ``host`` and ``job_id`` labels, the ones operators filter a fleet by (``job``
+is the scrape job's, which Prometheus sets itself).
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ TOTALS: Mapping[str, tuple[str, str]] = {
 class AgentMetrics:
     def __init__(self, host: str, job: str) -> None:
         self.registry = CollectorRegistry()
-        self._labels = {"host": host, "job": job}
-        names = ["host", "job"]
+        self._labels = {"host": host, "job_id": job}
+        names = ["host", "job_id"]
         r = self.registry
         self.trainer_starts = Counter(
             "remesh_agent_trainer_starts",

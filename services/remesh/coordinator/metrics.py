@@ -25,6 +25,12 @@ class Metrics:
             buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0, 30.0),
             registry=self.registry,
         )
+        self.epoch_live = Histogram(
+            "remesh_epoch_live_seconds",
+            "From a topology's publication to every member running it (re-meshed, restored, first step done)",
+            buckets=(0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 30.0, 60.0, 120.0, 300.0),
+            registry=self.registry,
+        )
         self.heartbeats = Counter("remesh_heartbeats", "Heartbeats received", registry=self.registry)
         self.epochs_published = Counter(
             "remesh_epochs_published", "Topology epochs published", registry=self.registry

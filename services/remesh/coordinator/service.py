@@ -316,6 +316,9 @@ class Coordinator:
     async def _published(self, events: list[Event], now: float) -> None:
         for event in events:
             self.metrics.events.labels(type=event.type.value).inc()
+            topology = self.state.topology
+            if event.type is EventType.EPOCH_LIVE and topology is not None and topology.epoch == event.epoch:
+                self.metrics.epoch_live.observe(max(0.0, event.time - topology.created_at))
             log.info(
                 event.type.value,
                 host=event.host_id or None,
