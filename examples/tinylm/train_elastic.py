@@ -34,6 +34,7 @@ from remesh.elastic import (
     Policy,
     Session,
     StepResult,
+    configure_logging,
     fsdp_partition,
     gcs_checkpoints_from_url,
 )
@@ -103,13 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         help="buddy copies every K steps, a multiple of --snapshot-every (default: every snapshot; 0: none)",
     )
     args = p.parse_args(argv)
-    structlog.configure(
-        processors=[
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.dev.ConsoleRenderer(colors=False),
-        ]
-    )
+    configure_logging()  # JSON lines when the agent logs JSON
 
     log = structlog.get_logger("tinylm")
     config = model.Config(

@@ -49,7 +49,7 @@ from remesh.v1 import agent_pb2 as apb
 from remesh.v1 import agent_pb2_grpc as apb_grpc
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
-from remesh.v1.contract import FINISHED_METADATA, TrainerAssignment, commits_of, rank_of
+from remesh.v1.contract import FINISHED_METADATA, Env, TrainerAssignment, commits_of, rank_of
 
 __all__ = ["Agent", "AgentExit"]
 
@@ -477,7 +477,7 @@ class Agent:
             await self._start_trainer(topology, rank)
 
     def trainer_env(self, topology: pb.Topology, rank: int, slot: int) -> Mapping[str, str]:
-        return TrainerAssignment(
+        assignment = TrainerAssignment(
             agent_address=self.local_address,
             slot=slot,
             host_id=self.settings.host_id,
@@ -490,6 +490,7 @@ class Agent:
             device_count=self.settings.device_count,
             commits=commits_of(topology.commits),
         ).to_env()
+        return {**assignment, Env.LOG_FORMAT: "json" if self.settings.log_json else "console"}
 
     async def _spawn(self, topology: pb.Topology, rank: int, role: Role) -> TrainerProcess:
         self._slots += 1

@@ -27,6 +27,8 @@ class AgentSettings:
     # to ``metrics_address`` (0.0.0.0 in a pod, for the scraper).
     metrics_port: int | None = None
     metrics_address: str = "127.0.0.1"
+    # The agent logs JSON lines (--log-json): its trainers are told to as well (REMESH_LOG_FORMAT).
+    log_json: bool = False
     # This host's certificate, key and the job's CA (mutual TLS to the coordinator); None: plain
     # gRPC, for local experiments (``remesh agent --insecure``).
     tls: Tls | None = None

@@ -48,6 +48,7 @@ from remesh.elastic.errors import (
     StateLost,
     TopologyChanged,
 )
+from remesh.elastic.logs import configure_logging
 from remesh.elastic.session import (
     ADDRESS_IN_USE_EXIT_CODE,
     RESTART_EXIT_CODE,
@@ -87,6 +88,7 @@ __all__ = [
     "StepData",
     "StepResult",
     "TopologyChanged",
+    "configure_logging",
     "fsdp_partition",
     "gcs_checkpoints_from_url",
     "replicated_partition",

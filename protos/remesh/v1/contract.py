@@ -63,6 +63,9 @@ class Env:
     DEVICE_COUNT = "REMESH_DEVICE_COUNT"
     # The checkpoint commits the coordinator accepted, "step:epoch" joined by commas.
     COMMITS = "REMESH_COMMITS"
+    # "json" when the agent logs JSON lines (its --log-json): the trainer should too, into the same
+    # stream (remesh.elastic.configure_logging reads it); "console" otherwise.
+    LOG_FORMAT = "REMESH_LOG_FORMAT"
 
 
 @dataclass(frozen=True)

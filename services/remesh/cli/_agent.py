@@ -113,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         trainer_nice=args.trainer_nice,
         metrics_port=args.metrics_port,
         metrics_address=args.metrics_address,
+        log_json=args.log_json,
         tls=tls,
     )
     return asyncio.run(_main(Agent(settings)))
