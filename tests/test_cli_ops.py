@@ -465,6 +465,41 @@ def test_drain_is_seen_by_follow_and_replay_still_matches(
 
 def test_help_lists_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
     out = inproc(capsys, "--help")[1]
-    for command in ("members", "topology", "events", "replay", "drain"):
+    for command in ("members", "topology", "events", "replay", "drain", "top"):
         assert command in out
     assert "Ctrl-C" in inproc(capsys, "events", "--help")[1]
+
+
+def test_top_shows_a_running_job_its_step_rate_and_a_failure(cluster: Cluster) -> None:
+    """`remesh top --once --json` on a job of stand-in trainers: the step the whole job reached and its
+    rate, then, after a host is SIGKILLed, the new epoch and the death among the last events."""
+    cluster.start_coordinator("--world-size", "2")
+    for host in ("host-0", "host-1"):
+        cluster.start_agent(host)
+    cluster.start_agent("spare-0", spare=True)
+    wait_for(lambda: any(e.type == pb.EVENT_TYPE_EPOCH_LIVE for e in cluster.events()), 30, "epoch 1 live")
+
+    doc = json.loads(ok("top", "--coordinator", cluster.address, "--once", "--json", "--interval", "1"))
+    assert (doc["job_id"], doc["epoch"], doc["epoch_live"], doc["world_size"]) == (cluster.job, 1, True, 2)
+    assert doc["members_by_state"] == {"alive": 3}
+    steps = {m["host_id"]: m["last_step"] for m in doc["members"] if m["rank"] >= 0}
+    assert doc["step"] == min(steps.values()) and doc["step"] > 0
+    assert doc["steps_per_s"] > 0  # the stand-ins step every 50 ms
+    assert "epoch_live" in [e["type"] for e in doc["events"]]
+    assert "member_alive" not in [e["type"] for e in doc["events"]]  # too frequent to be news
+
+    cluster.agents["host-1"].kill()
+    cluster.wait_epoch(2)
+    wait_for(
+        lambda: any(e.type == pb.EVENT_TYPE_EPOCH_LIVE and e.epoch == 2 for e in cluster.events()),
+        30,
+        "epoch 2",
+    )
+    doc = json.loads(ok("top", "--coordinator", cluster.address, "--once", "--json", "--interval", "0.5"))
+    assert (doc["epoch"], doc["epoch_live"], doc["world_size"]) == (2, True, 2)
+    assert doc["members_by_state"]["dead"] == 1
+    dead = [e for e in doc["events"] if e["type"] == "member_dead"]
+    assert [e["host_id"] for e in dead] == ["host-1"]
+    # The same on a terminal-less screen: the header names the epoch and its state.
+    text = ok("top", "--coordinator", cluster.address, "--once", "--interval", "0.2")
+    assert "epoch 2 live" in text and "host-1" in text

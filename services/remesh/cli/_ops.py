@@ -1,4 +1,4 @@
-"""Operator commands: ``remesh members``, ``topology``, ``events``, ``replay`` and ``drain``.
+"""Operator commands: ``remesh members``, ``topology``, ``events``, ``replay``, ``drain`` and ``top``.
 
 Each command is a thin gRPC client of one coordinator (``--coordinator``, default env
 ``REMESH_COORDINATOR`` or 127.0.0.1:50051). People get rich tables and one line per event; scripts
@@ -29,6 +29,7 @@ import grpc
 from rich.console import Console
 from rich.table import Table
 
+from remesh.cli._top import run_top
 from remesh.cli.replay_check import compare
 from remesh.cli.tls_options import add_tls_arguments, tls_from_args
 from remesh.cli.views import (
@@ -497,3 +498,27 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("host", metavar="HOST", help="the host id, as `remesh members` shows it")
     p.add_argument("--reason", default="", help="why (recorded in the member and the event log)")
     p.set_defaults(run=_run(_drain))
+
+    p = sub.add_parser(
+        "top",
+        parents=[common],
+        formatter_class=fmt,
+        help="a live view of the running job: epoch, step rate, members, the last events",
+        description=_para(
+            "Refresh every --interval seconds until Ctrl-C: the epoch and whether every member runs "
+            "it, the world size, the step the whole job reached and its rate, the members and the "
+            "last events. On a terminal it redraws in place; piped, or with --json, it prints one "
+            "snapshot per refresh."
+        ),
+        epilog="examples:\n  remesh top\n  remesh top --once --json | jq .steps_per_s",
+    )
+    p.add_argument(
+        "--interval", type=_timeout_arg, default=2.0, metavar="SECONDS", help="between refreshes (2)"
+    )
+    p.add_argument(
+        "--events", type=int, default=8, metavar="N", help="how many of the last events to show (8)"
+    )
+    p.add_argument(
+        "--once", action="store_true", help="look twice, --interval apart (for the rate), print, exit"
+    )
+    p.set_defaults(run=_run(run_top))
