@@ -34,6 +34,7 @@ from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1.security import Role
 from tests.procs import wait_for
 from tests.tcp_proxy import CutMode, TcpProxy
+from tests.test_metrics import metrics_port, scrape, value
 
 pytestmark = pytest.mark.integration
 
@@ -154,9 +155,11 @@ def cut_off_and_rejoin(
     cut: Callable[[], None],
     heal: Callable[[], None],
     dead_reason: str | None = None,
+    metrics_port: int | None = None,
 ) -> None:
     """The scenario: cut host-2 off, see it replaced and its trainer fenced by its lease, heal the link,
-    see it rejoin as a spare with no new epoch."""
+    see it rejoin as a spare with no new epoch. ``metrics_port``: host-2's agent's /metrics, read
+    while it is cut off and after it rejoined."""
     before = cluster.members()["host-2"]
     assert before.rank == 2
     # The trainer that holds rank 2: the agent's first (a warm standby starts only after it acked).
@@ -184,6 +187,12 @@ def cut_off_and_rejoin(
     assert stopped and int(stopped.group(1)) == trainer_pid, after_lease[-2000:]
     wait_for(lambda: process_gone(trainer_pid), 15, "the fenced trainer to exit")
     assert victim.alive(), "the agent outlives its fenced trainer"
+    me = {"host": "host-2", "job_id": cluster.job}
+    if metrics_port is not None:
+        cut_off = scrape(metrics_port)
+        assert value(cut_off, "remesh_agent_lease_expiries_total", **me) == 1
+        assert value(cut_off, "remesh_agent_connected", **me) == 0
+        assert (value(cut_off, "remesh_agent_cut_off_seconds", **me) or 0) >= LEASE_S
 
     heal()
 
@@ -193,6 +202,11 @@ def cut_off_and_rejoin(
 
     member = wait_for(rejoined, 30, "the host to rejoin once the link is back")
     assert member.role == pb.ROLE_SPARE and member.rank == -1
+    if metrics_port is not None:
+        back = scrape(metrics_port)
+        assert value(back, "remesh_agent_cut_off_seconds", **me) == 0
+        assert (value(back, "remesh_agent_registrations_total", **me) or 0) >= 2
+        assert value(back, "remesh_agent_lease_expiries_total", **me) == 1
     assert cluster.topology().epoch == 2, "its return changed no topology"
     later = cluster.events()
     assert later[: len(events)] == events, "the event log only grows"
@@ -213,7 +227,8 @@ def test_a_host_cut_off_by_a_tcp_proxy_is_replaced_stops_its_trainer_and_rejoins
             victim = form_job(
                 cluster,
                 lambda: cluster.start_agent(
-                    "host-2", extra=["--coordinator", proxy.address, "--lease", str(LEASE_S)]
+                    "host-2",
+                    extra=["--coordinator", proxy.address, "--lease", str(LEASE_S), "--metrics-port", "0"],
                 ),
             )
             assert proxy.accepted >= 1, "host-2 joined through the proxy"
@@ -224,6 +239,7 @@ def test_a_host_cut_off_by_a_tcp_proxy_is_replaced_stops_its_trainer_and_rejoins
                 heal=proxy.restore,
                 # Reset: its stream breaks at once; silent: only its heartbeats' absence gives it away.
                 dead_reason="heartbeat stream broke" if mode == "reset" else "no heartbeat",
+                metrics_port=metrics_port(victim),
             )
             if mode == "reset":
                 # Its connection closed, the agent connected again during the cut and got no answer.

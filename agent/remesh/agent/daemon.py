@@ -142,6 +142,7 @@ class Agent:
         self.metrics = AgentMetrics(settings.host_id, settings.job_id)
         # Read when scraped (another thread): a warm standby is ready while its process runs.
         self.metrics.standby_ready.set_function(lambda: float(self.warm is not None and self.warm.running()))
+        self.metrics.cut_off_seconds.set_function(self._cut_off_for)
         self.link = CoordinatorLink(
             settings.coordinators,
             keepalive_s=settings.keepalive_s,
@@ -390,6 +391,7 @@ class Agent:
                 ranked=self._rank(self.topology) >= 0,
             )
             if decision.do is Do.STOP_TRAINER:
+                self.metrics.lease_expiries.inc()
                 self.log.warning(
                     "lease lost: no coordinator reachable; stopping the trainer, which may no longer "
                     "hold its rank",
@@ -397,6 +399,10 @@ class Agent:
                     epoch=self.topology.epoch,
                 )
                 await self._stop_trainer(decision.reason)
+
+    def _cut_off_for(self) -> float:
+        lost_at = self.state.lost_at  # one read: the state is replaced, never changed in place
+        return 0.0 if lost_at is None else max(0.0, time.monotonic() - lost_at)
 
     def _rank(self, topology: pb.Topology) -> int:
         return core.rank_in(

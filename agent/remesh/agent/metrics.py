@@ -84,6 +84,18 @@ class AgentMetrics:
         self.standby_ready = Gauge(
             "remesh_agent_standby_ready", "1 while a warm standby trainer is running", names, registry=r
         ).labels(**labels)
+        self.cut_off_seconds = Gauge(
+            "remesh_agent_cut_off_seconds",
+            "How long no coordinator has been reachable (0 while one is); past --lease the trainer is stopped",
+            names,
+            registry=r,
+        ).labels(**labels)
+        self.lease_expiries = Counter(
+            "remesh_agent_lease_expiries",
+            "Times the lease ran out and the agent stopped its ranked trainer (cut off from every coordinator)",
+            names,
+            registry=r,
+        ).labels(**labels)
         self._call_seconds = Histogram(
             "remesh_agent_coordinator_call_seconds",
             "Round trip of the agent's calls to the coordinator (Register, and the trainer's relayed calls)",
