@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -503,3 +504,72 @@ def test_top_shows_a_running_job_its_step_rate_and_a_failure(cluster: Cluster) -
     # The same on a terminal-less screen: the header names the epoch and its state.
     text = ok("top", "--coordinator", cluster.address, "--once", "--interval", "0.2")
     assert "epoch 2 live" in text and "host-1" in text
+
+
+def test_goodput_live_on_the_coordinator_and_from_the_log_afterwards_agree(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """A job of stand-in trainers loses host-1 (SIGKILL) and recovers onto the spare. `remesh goodput`
+    live, the coordinator's gauges, and `remesh goodput --log` of the event log alone at the same time
+    and step give the same figures."""
+    from tests.test_metrics import metrics_port, scrape, value
+
+    coordinator = cluster.start_coordinator("--world-size", "2", "--metrics-port", "0")
+    for host in ("host-0", "host-1"):
+        cluster.start_agent(host)
+    cluster.start_agent("spare-0", spare=True)
+    wait_for(lambda: any(e.type == pb.EVENT_TYPE_EPOCH_LIVE for e in cluster.events()), 30, "epoch 1 live")
+    wait_for(lambda: cluster.members()["host-0"].last_step >= 20, 30, "20 steps")
+    cluster.agents["host-1"].kill()
+    wait_for(
+        lambda: any(e.type == pb.EVENT_TYPE_EPOCH_LIVE and e.epoch == 2 for e in cluster.events()),
+        30,
+        "epoch 2",
+    )
+
+    live = json.loads(ok("goodput", "--coordinator", cluster.address, "--json"))
+    assert 0 < live["goodput"] < 1 and live["productive_s"] > 0
+    badput = live["badput_s"]
+    assert badput["initialization"] > 0 and badput["recovery"] > 0 and badput["checkpoint_save"] is None
+    assert live["productive_s"] + sum(v for v in badput.values() if v) == pytest.approx(
+        live["wall_s"], abs=0.01
+    )
+    (recovery,) = live["recoveries"]
+    assert recovery["hosts"] == ["host-1"] and recovery["epoch"] == 2 and recovery["to_live_s"] > 0
+    assert recovery["steps_lost"] >= 0 and set(recovery["phases"]) >= {"decide", "restore"}
+
+    log = tmp_path / "job.jsonl"
+    log.write_text(ok("events", "--coordinator", cluster.address, "--json"))
+
+    def replayed(now: float, step: int) -> dict[str, Any]:
+        return json.loads(
+            ok("goodput", "--from-log", str(log), "--now", repr(now), "--step", str(step), "--json")
+        )
+
+    # The log alone, as of the live call's time and step: the same figures.
+    after = replayed(live["now"], live["current_step"])
+    assert {k: v for k, v in after.items() if k != "current_step"} == {
+        k: v for k, v in live.items() if k != "current_step"
+    }
+    # The coordinator's gauges (refreshed every 5 s) say the same once refreshed after the recovery.
+    port = metrics_port(coordinator)
+
+    def refreshed() -> Any:
+        samples = scrape(port)
+        return (
+            samples
+            if (value(samples, "remesh_goodput_computed_at_seconds") or 0) > recovery["live_at"]
+            else None
+        )
+
+    gauges = wait_for(refreshed, 20, "the coordinator's goodput refreshed after the recovery")
+    at, step = value(gauges, "remesh_goodput_computed_at_seconds"), value(gauges, "remesh_goodput_step")
+    assert at is not None and step is not None
+    figures = replayed(at, int(step))
+    assert value(gauges, "remesh_goodput_ratio") == pytest.approx(figures["goodput"], abs=1e-3)
+    assert value(gauges, "remesh_productive_seconds") == pytest.approx(figures["productive_s"], abs=1e-3)
+    for category, seconds in figures["badput_s"].items():
+        if seconds is not None:
+            assert value(gauges, "remesh_badput_seconds", category=category) == pytest.approx(
+                seconds, abs=1e-3
+            )

@@ -1,4 +1,4 @@
-"""Operator commands: ``remesh members``, ``topology``, ``events``, ``replay``, ``drain`` and ``top``.
+"""Operator commands: ``remesh members``, ``topology``, ``events``, ``replay``, ``drain``, ``top``, ``goodput``.
 
 Each command is a thin gRPC client of one coordinator (``--coordinator``, default env
 ``REMESH_COORDINATOR`` or 127.0.0.1:50051). People get rich tables and one line per event; scripts
@@ -29,6 +29,7 @@ import grpc
 from rich.console import Console
 from rich.table import Table
 
+from remesh.cli._goodput import run_goodput
 from remesh.cli._top import run_top
 from remesh.cli.replay_check import compare
 from remesh.cli.tls_options import add_tls_arguments, tls_from_args
@@ -522,3 +523,40 @@ def add_parsers(sub: Any) -> None:
         "--once", action="store_true", help="look twice, --interval apart (for the rate), print, exit"
     )
     p.set_defaults(run=_run(run_top))
+
+    p = sub.add_parser(
+        "goodput",
+        parents=[common],
+        formatter_class=fmt,
+        help="how much of the job's wall time was training: goodput, badput by category, recoveries",
+        description=_para(
+            "Goodput and badput (initialization, recovery, checkpoint restore, checkpoint save, wasted "
+            "progress, other) and a phase table per recovery, computed from the event log alone: of "
+            "the running job (the coordinator's log, and how far its members got), or afterwards of "
+            "a log `remesh events --json` wrote (--from-log). The coordinator's remesh_goodput_ratio "
+            "is the same computation."
+        ),
+        epilog=(
+            "examples:\n  remesh goodput\n  remesh events --json > job.jsonl; remesh goodput --from-log job.jsonl"
+        ),
+    )
+    p.add_argument(
+        "--from-log",
+        dest="log",
+        metavar="FILE",
+        help="a log `remesh events --json` wrote, instead of the coordinator",
+    )
+    p.add_argument(
+        "--now",
+        type=float,
+        metavar="UNIX_TIME",
+        help="compute as of this time (default: now; --from-log: its last event)",
+    )
+    p.add_argument(
+        "--step",
+        type=int,
+        metavar="N",
+        help="the furthest step of the current epoch, where the log does not say (a job still running)",
+    )
+    live_goodput = _run(run_goodput)
+    p.set_defaults(run=lambda args: run_goodput(args, None) if args.log is not None else live_goodput(args))

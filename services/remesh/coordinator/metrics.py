@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from remesh.coordinator.model import MemberState
+
+if TYPE_CHECKING:
+    from remesh.coordinator.goodput import Goodput
 
 __all__ = ["Metrics"]
 
@@ -29,6 +33,32 @@ class Metrics:
             "remesh_epoch_live_seconds",
             "From a topology's publication to every member running it (re-meshed, restored, first step done)",
             buckets=(0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 30.0, 60.0, 120.0, 300.0),
+            registry=self.registry,
+        )
+        self.goodput = Gauge(
+            "remesh_goodput_ratio",
+            "Productive time over wall time since the job's first event (remesh.coordinator.goodput)",
+            registry=self.registry,
+        )
+        self.productive = Gauge(
+            "remesh_productive_seconds", "Time spent on training steps the job kept", registry=self.registry
+        )
+        self.badput = Gauge(
+            "remesh_badput_seconds",
+            "Time not spent on kept steps, by category (initialization, recovery, checkpoint_restore, "
+            "wasted_progress, other)",
+            ["category"],
+            registry=self.registry,
+        )
+        self.goodput_at = Gauge(
+            "remesh_goodput_computed_at_seconds",
+            "When the goodput figures were computed (Unix time): `remesh goodput --from-log` of the event log, "
+            "with --now this and --step remesh_goodput_step, gives the same figures",
+            registry=self.registry,
+        )
+        self.goodput_step = Gauge(
+            "remesh_goodput_step",
+            "The furthest step of the current epoch the goodput figures used (-1: none reported)",
             registry=self.registry,
         )
         self.heartbeats = Counter("remesh_heartbeats", "Heartbeats received", registry=self.registry)
@@ -62,6 +92,15 @@ class Metrics:
     def set_members(self, counts: Mapping[MemberState, int]) -> None:
         for state in MemberState:
             self.members.labels(state=state.value).set(counts.get(state, 0))
+
+    def set_goodput(self, report: Goodput, step: int | None) -> None:
+        self.goodput_at.set(report.now)
+        self.goodput_step.set(-1 if step is None else step)
+        self.goodput.set(report.goodput)
+        self.productive.set(report.productive_s)
+        for category, seconds in report.badput_s.items():
+            if seconds is not None:  # checkpoint save is not known to the coordinator
+                self.badput.labels(category=category).set(seconds)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> int:
         """Serve /metrics on ``port`` (0: a free one) in a thread; returns the port bound."""

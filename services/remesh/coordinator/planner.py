@@ -113,6 +113,9 @@ def plan(now: float, state: ClusterState, steps: Mapping[str, int], settings: Pl
     # burst window (its trainer crashed, its agent is fine) goes back in only when no one else can.
     spares = sorted((m.host_id for m in up if m.host_id not in staying), key=lambda h: h in gone)
     restore = _restore_step(survivors, steps, topology.restore_step)
+    # How far the epoch being replaced got (its furthest member): recorded with the new topology, so
+    # the event log alone says how many steps a recovery threw away (remesh.coordinator.goodput).
+    reached = {"reached_step": str(max((steps[h] for h in current if h in steps), default=-1))}
 
     if not lost and state.address_refused_epoch == topology.epoch:
         return Decision(
@@ -120,6 +123,7 @@ def plan(now: float, state: ClusterState, steps: Mapping[str, int], settings: Pl
             f"{topology.jax_coordinator_address} was taken on {current[0]}: same hosts, new address",
             current,
             topology.restore_step,
+            reached,
         )
     if not lost:
         target = settings.largest_valid_size(len(current) + len(spares))
@@ -127,7 +131,11 @@ def plan(now: float, state: ClusterState, steps: Mapping[str, int], settings: Pl
             hosts = (*current, *spares[: target - len(current)])
             added = ", ".join(hosts[len(current) :])
             return Decision(
-                Kind.GROW, f"grew from {len(current)} to {target} hosts: added {added}", hosts, restore
+                Kind.GROW,
+                f"grew from {len(current)} to {target} hosts: added {added}",
+                hosts,
+                restore,
+                reached,
             )
         return Decision(Kind.NONE, "topology healthy")
 
@@ -163,7 +171,7 @@ def plan(now: float, state: ClusterState, steps: Mapping[str, int], settings: Pl
             else f"hot spare {s} takes rank {current.index(h)} of {h}"
             for h, s in replacement.items()
         )
-        return Decision(Kind.REPLACE, f"{why_lost}: {swaps}", hosts, restore)
+        return Decision(Kind.REPLACE, f"{why_lost}: {swaps}", hosts, restore, reached)
 
     pool = [*survivors, *spares]
     size = settings.largest_valid_size(len(pool))
@@ -174,6 +182,7 @@ def plan(now: float, state: ClusterState, steps: Mapping[str, int], settings: Pl
             f"{why_lost}: {len(spares)} spare(s) for {len(lost)} lost; shrank from {len(current)} to {size} hosts",
             hosts,
             restore,
+            reached,
         )
 
     if state.waiting_since is None:

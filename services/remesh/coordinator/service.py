@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import structlog
 
-from remesh.coordinator import membership
+from remesh.coordinator import goodput, membership
 from remesh.coordinator.detector import Liveness, Stall, Verdict, judge, judge_stalls
 from remesh.coordinator.errors import (
     Conflict,
@@ -55,6 +55,19 @@ __all__ = ["AgentStream", "Coordinator"]
 log = structlog.get_logger("remesh.coordinator")
 
 T = TypeVar("T")
+
+# What goodput is computed from, and how often the coordinator's gauges of it are refreshed.
+_GOODPUT_EVENTS = frozenset(
+    {
+        EventType.TOPOLOGY_CHANGED,
+        EventType.EPOCH_ACKED,
+        EventType.EPOCH_LIVE,
+        EventType.MEMBER_DEAD,
+        EventType.JOB_FINISHED,
+        EventType.JOB_HALTED,
+    }
+)
+_GOODPUT_EVERY_S = 5.0
 
 Clock = Callable[[], float]
 
@@ -124,6 +137,10 @@ class Coordinator:
         self._replan = True
         # Changes waiting for the next batch commit, and the task that commits them (``_batched``).
         self._queue: list[_Queued] = []
+        # The events goodput is computed from (and the log's first), kept as they are published; None
+        # until this replica, leading, read them from the log (remesh.coordinator.goodput).
+        self._goodput_log: list[Event] | None = None
+        self._goodput_at = 0.0
         self._queue_writer: asyncio.Task[None] | None = None
         self._topology_changed = asyncio.Condition()
         self._tasks: list[asyncio.Task[None]] = []
@@ -213,6 +230,7 @@ class Coordinator:
                 raise
             self._grant_all(self._clock())
             self._dirty_steps = {}
+            self._goodput_log = None  # read again from the log: another replica led meanwhile
             self.leadership.led(token)
         self._update_gauges()
         log.info(
@@ -316,6 +334,8 @@ class Coordinator:
     async def _published(self, events: list[Event], now: float) -> None:
         for event in events:
             self.metrics.events.labels(type=event.type.value).inc()
+            if self._goodput_log is not None and event.type in _GOODPUT_EVENTS:
+                self._goodput_log.append(event)
             topology = self.state.topology
             if event.type is EventType.EPOCH_LIVE and topology is not None and topology.epoch == event.epoch:
                 self.metrics.epoch_live.observe(max(0.0, event.time - topology.created_at))
@@ -436,6 +456,8 @@ class Coordinator:
             try:
                 await self._flush_progress()
                 await self._keep_bounded()
+                if self._clock() - self._goodput_at >= _GOODPUT_EVERY_S:
+                    await self._refresh_goodput()
             except Fenced as exc:
                 log.error("progress write refused by the store: this replica was deposed", error=str(exc))
                 self._step_down(str(exc))
@@ -443,6 +465,28 @@ class Coordinator:
                 continue  # a newer writer, or a reload: the next round sees the new state
             except StoreUnavailable:
                 self.metrics.store_errors.inc()
+
+    async def _refresh_goodput(self) -> None:
+        """The job's goodput so far, into the metrics. The first time (per leadership) the log is read
+        whole, under the write lock so that no event is published meanwhile; then events are kept as
+        they are published."""
+        if self._goodput_log is None:
+            async with self._lock:
+                kept: list[Event] = []
+                async for page in self.store.page_events():
+                    for event in page:
+                        if event.type in _GOODPUT_EVENTS or not kept:  # and the first: the job's start
+                            kept.append(event)
+                self._goodput_log = kept
+        self._goodput_at = self._clock()
+        step = self._furthest_step()
+        self.metrics.set_goodput(goodput.compute(self._goodput_log, self._goodput_at, step), step)
+
+    def _furthest_step(self) -> int | None:
+        """The furthest step a member of the current epoch reported."""
+        topology = self.state.topology
+        steps = [self._steps[h] for h in (topology.host_ids if topology else ()) if h in self._steps]
+        return max(steps) if steps else None
 
     async def _keep_bounded(self) -> None:
         """Forget members gone for longer than the retention, and cut the event log once it is longer
