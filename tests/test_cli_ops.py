@@ -486,6 +486,7 @@ def test_top_shows_a_running_job_its_step_rate_and_a_failure(cluster: Cluster) -
     steps = {m["host_id"]: m["last_step"] for m in doc["members"] if m["rank"] >= 0}
     assert doc["step"] == min(steps.values()) and doc["step"] > 0
     assert doc["steps_per_s"] > 0  # the stand-ins step every 50 ms
+    assert 0 < doc["goodput"] < 1 and doc["badput_s"]["initialization"] > 0  # remesh goodput's figures
     assert "epoch_live" in [e["type"] for e in doc["events"]]
     assert "member_alive" not in [e["type"] for e in doc["events"]]  # too frequent to be news
 

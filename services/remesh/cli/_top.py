@@ -22,11 +22,23 @@ from rich.live import Live
 from rich.text import Text
 
 from remesh.cli.views import enum_name, event_dict, event_line, member_dict, members_table, safe
+from remesh.coordinator import convert
+from remesh.coordinator.goodput import compute
+from remesh.coordinator.model import Event, EventType
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
 
 __all__ = ["Top", "job_step", "run_top"]
 
+# What goodput is computed from (remesh.coordinator.goodput), besides the log's first event.
+_GOODPUT = {
+    EventType.TOPOLOGY_CHANGED,
+    EventType.EPOCH_ACKED,
+    EventType.EPOCH_LIVE,
+    EventType.MEMBER_DEAD,
+    EventType.JOB_FINISHED,
+    EventType.JOB_HALTED,
+}
 # Too frequent to be news on a screen of the last few events.
 _QUIET = {pb.EVENT_TYPE_MEMBER_ALIVE, pb.EVENT_TYPE_MEMBER_ASSIGNED, pb.EVENT_TYPE_EPOCH_ACKED}
 
@@ -47,6 +59,7 @@ class Top:
     keep: int = 8
     events: deque[pb.Event] = field(default_factory=deque)
     live_epochs: set[int] = field(default_factory=set)
+    goodput_events: list[Event] = field(default_factory=list)
     _after: str = ""
     _previous: tuple[float, int, int] | None = None  # (time, epoch, step) at the last refresh
     doc: dict[str, Any] = field(default_factory=dict)
@@ -60,6 +73,9 @@ class Top:
             pb.ReplayEventsRequest(after_id=self._after), timeout=self.timeout
         ):
             self._after = event.id
+            kept = convert.event_from_pb(event)
+            if kept.type in _GOODPUT or not self.goodput_events:
+                self.goodput_events.append(kept)
             if event.type == pb.EVENT_TYPE_EPOCH_LIVE:
                 self.live_epochs.add(event.epoch)
             if event.type not in _QUIET:
@@ -75,6 +91,11 @@ class Top:
             rate = max(0.0, (step - previous[2]) / (now - previous[0]))
         self._previous = (now, topology.epoch, step) if step is not None else None
         self.members, self.topology = members, topology
+        ranked = {m.host_id for m in topology.members}
+        furthest = max(
+            (m.last_step for m in members if m.host_id in ranked and m.last_step >= 0), default=None
+        )
+        report = compute(self.goodput_events, now, furthest)
         self.doc = {
             "time": now,
             "job_id": topology.job_id,
@@ -86,6 +107,8 @@ class Top:
             "reason": topology.reason,
             "step": step,
             "steps_per_s": None if rate is None else round(rate, 3),
+            "goodput": round(report.goodput, 4),
+            "badput_s": {k: None if v is None else round(v, 3) for k, v in report.badput_s.items()},
             "members_by_state": dict(
                 Counter(enum_name(pb.MemberState, m.state, "MEMBER_STATE_") for m in members)
             ),
@@ -113,6 +136,8 @@ class Top:
         head.append("-" if d["step"] is None else str(d["step"]), style="bold")
         head.append("  steps/s ", style="dim")
         head.append("-" if d["steps_per_s"] is None else f"{d['steps_per_s']:.2f}")
+        head.append("  goodput ", style="dim")
+        head.append(f"{d['goodput']:.1%}")
         head.append("  members ", style="dim")
         head.append(", ".join(f"{n} {s}" for s, n in sorted(d["members_by_state"].items())) or "none")
         why = Text("  why: ", style="dim")
