@@ -382,8 +382,10 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one_and_stays_bi
     the clean result."""
     ckpt = tmp_path / "ckpt"  # one directory every host sees (a shared filesystem)
     corrupted: list[tuple[int, int, str]] = []  # (newest, previous, file)
+    published: list[Samples] = []
 
-    def corrupt(_: Cluster) -> None:
+    def corrupt(cluster: Cluster) -> None:
+        published.append(scrape(metrics_port(cluster.agents["host-0"])))
         *_, previous, newest = committed_steps(ckpt)
         step_dir = ckpt / f"step_{newest:010d}"
         files = json.loads((step_dir / "COMMITTED").read_text())["files"]
@@ -400,8 +402,16 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one_and_stays_bi
         # Killing host-1 stops every member within a step: no newer checkpoint of epoch 1 follows.
         kill_when=lambda _: len(steps := committed_steps(ckpt)) >= 2 and steps[-1] >= 10,
         before_kill=corrupt,
+        agent_args=("--metrics-port", "0"),
     )
     try:
+        # Rank 0 (host-0) saved the replicated state, and told its agent: saves, bytes, time (the
+        # newest save, just committed, may not have been reported yet; the one before it has).
+        (samples,) = published
+        me = {"host": "host-0", "job_id": cluster.job}
+        assert (value(samples, "remesh_trainer_checkpoints_total", **me) or 0) >= 1
+        assert (value(samples, "remesh_trainer_checkpoint_bytes_total", **me) or 0) > 0
+        assert (value(samples, "remesh_trainer_checkpoint_save_seconds_total", **me) or 0) > 0
         (newest, previous, name), *_ = corrupted
         after = cluster.topology()
         assert after.epoch == 2 and [m.host_id for m in after.members] == ["host-0", "spare-0", "host-2"]

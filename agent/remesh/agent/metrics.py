@@ -30,6 +30,7 @@ TOTALS: Mapping[str, tuple[str, str]] = {
     ),
     "snapshot_bytes": ("remesh_trainer_snapshot_bytes", "Bytes copied into snapshots"),
     "checkpoints": ("remesh_trainer_checkpoints", "Checkpoint saves finished"),
+    "checkpoint_bytes": ("remesh_trainer_checkpoint_bytes", "Bytes this host wrote into checkpoints"),
     "checkpoint_save_seconds": (
         "remesh_trainer_checkpoint_save_seconds",
         "Time spent saving checkpoints (in the background)",

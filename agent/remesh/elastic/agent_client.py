@@ -32,6 +32,7 @@ def trainer_totals(stats: Mapping[str, float]) -> apb.TrainerTotals:
         snapshot_seconds=float(stats.get("snapshot_s", 0.0)),
         snapshot_bytes=int(stats.get("snapshot_bytes", 0)),
         checkpoints=int(stats.get("checkpoints", 0)),
+        checkpoint_bytes=int(stats.get("checkpoint_bytes", 0)),
         checkpoint_save_seconds=float(stats.get("checkpoint_save_s", 0.0)),
         checkpoint_wait_seconds=float(stats.get("checkpoint_wait_s", 0.0)),
         peer_failures=int(stats.get("peer_failures", 0)),

@@ -514,6 +514,7 @@ class Session:
             "steps": 0,  # steps completed, each timed from its predecessor (not an epoch's first)
             "step_s": 0.0,
             "checkpoints": 0,  # checkpoint saves finished
+            "checkpoint_bytes": 0,  # bytes this process wrote in them
             "checkpoint_wait_s": 0.0,
             "checkpoint_save_s": 0.0,
             "snapshots": 0,
@@ -1312,6 +1313,13 @@ class Session:
                     continue
                 store.write_global(step, tree)
                 self.stats["checkpoints"] += 1
+                # This process writes the shards it holds the first replica of.
+                self.stats["checkpoint_bytes"] += sum(
+                    int(s.data.nbytes)
+                    for x in jax.tree_util.tree_leaves(tree)
+                    for s in x.addressable_shards
+                    if s.replica_id == 0
+                )
                 if assignment.rank == 0:
                     try:
                         store.commit_global(step, assignment.epoch, {"step": step}, approve=self._approve)
@@ -1370,6 +1378,7 @@ class Session:
             try:
                 store.save(step, epoch, tree, {"step": step}, approve=self._approve)
                 self.stats["checkpoints"] += 1
+                self.stats["checkpoint_bytes"] += sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(tree))
             except StaleEpoch as exc:
                 log.warning(
                     "checkpoint not committed: its epoch is over", store=store.name, step=step, error=str(exc)

@@ -38,7 +38,7 @@ class ReportProgressRequest(_message.Message):
     def __init__(self, step: _Optional[int] = ..., epoch: _Optional[int] = ..., totals: _Optional[_Union[TrainerTotals, _Mapping]] = ...) -> None: ...
 
 class TrainerTotals(_message.Message):
-    __slots__ = ("steps", "step_seconds", "snapshots", "snapshot_seconds", "snapshot_bytes", "checkpoints", "checkpoint_save_seconds", "checkpoint_wait_seconds", "peer_failures")
+    __slots__ = ("steps", "step_seconds", "snapshots", "snapshot_seconds", "snapshot_bytes", "checkpoints", "checkpoint_save_seconds", "checkpoint_wait_seconds", "peer_failures", "checkpoint_bytes")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class TrainerTotals(_message.Message):
     CHECKPOINT_SAVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PEER_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_BYTES_FIELD_NUMBER: _ClassVar[int]
     steps: int
     step_seconds: float
     snapshots: int
@@ -57,7 +58,8 @@ class TrainerTotals(_message.Message):
     checkpoint_save_seconds: float
     checkpoint_wait_seconds: float
     peer_failures: int
-    def __init__(self, steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., snapshots: _Optional[int] = ..., snapshot_seconds: _Optional[float] = ..., snapshot_bytes: _Optional[int] = ..., checkpoints: _Optional[int] = ..., checkpoint_save_seconds: _Optional[float] = ..., checkpoint_wait_seconds: _Optional[float] = ..., peer_failures: _Optional[int] = ...) -> None: ...
+    checkpoint_bytes: int
+    def __init__(self, steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., snapshots: _Optional[int] = ..., snapshot_seconds: _Optional[float] = ..., snapshot_bytes: _Optional[int] = ..., checkpoints: _Optional[int] = ..., checkpoint_save_seconds: _Optional[float] = ..., checkpoint_wait_seconds: _Optional[float] = ..., peer_failures: _Optional[int] = ..., checkpoint_bytes: _Optional[int] = ...) -> None: ...
 
 class ReportProgressResponse(_message.Message):
     __slots__ = ("current_epoch",)
