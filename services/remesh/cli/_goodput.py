@@ -18,46 +18,14 @@ import grpc
 from rich.console import Console
 from rich.table import Table
 
+from remesh.cli.views import event_from_dict
 from remesh.coordinator import convert
 from remesh.coordinator.goodput import Goodput, compute
-from remesh.coordinator.model import Event, EventType, Topology, TopologyMember
+from remesh.coordinator.model import Event
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
 
-__all__ = ["event_from_dict", "run_goodput"]
-
-
-def event_from_dict(d: dict[str, Any]) -> Event:
-    """An event as ``remesh events --json`` prints it, back as the coordinator's model (what goodput
-    reads of it: type, time, epoch, host, details, topology)."""
-    t = d.get("topology")
-    topology = None
-    if t:
-        topology = Topology(
-            epoch=int(t["epoch"]),
-            members=tuple(
-                TopologyMember(m["host_id"], int(m["rank"]), int(m["device_count"]), m["address"])
-                for m in t["members"]
-            ),
-            mesh_shape=tuple(t["mesh_shape"]),
-            jax_coordinator_address=t["jax_coordinator_address"],
-            restore_step=int(t["restore_step"]),
-            reason=t["reason"],
-            created_at=float(t["created_at"]),
-            halted=bool(t["halted"]),
-            job_id=t.get("job_id", ""),
-        )
-    return Event(
-        type=EventType(d["type"]),
-        time=float(d["time"]),
-        epoch=int(d["epoch"]),
-        reason=d.get("reason", ""),
-        host_id=d.get("host_id", ""),
-        incarnation=int(d.get("incarnation", 0)),
-        topology=topology,
-        details={str(k): str(v) for k, v in (d.get("details") or {}).items()},
-        id=d.get("id", ""),
-    )
+__all__ = ["run_goodput"]
 
 
 def _from_log(path: Path) -> list[Event]:

@@ -6,7 +6,7 @@ the coordinator or prints, except ``print_topology`` onto the console it is give
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -14,11 +14,13 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from remesh.coordinator.model import Event, EventType, Topology, TopologyMember
 from remesh.v1 import coordinator_pb2 as pb
 
 __all__ = [
     "enum_name",
     "event_dict",
+    "event_from_dict",
     "event_line",
     "format_age",
     "format_time",
@@ -160,6 +162,39 @@ def event_dict(msg: pb.Event) -> dict[str, Any]:
         "member": member_dict(msg.member, with_step=False) if msg.HasField("member") else None,
         "topology": topology_dict(msg.topology) if msg.HasField("topology") else None,
     }
+
+
+def event_from_dict(d: Mapping[str, Any]) -> Event:
+    """An event as ``remesh events --json`` prints it, back as the coordinator's model (what goodput
+    reads of it: type, time, epoch, host, details, topology)."""
+    t = d.get("topology")
+    topology = None
+    if t:
+        topology = Topology(
+            epoch=int(t["epoch"]),
+            members=tuple(
+                TopologyMember(m["host_id"], int(m["rank"]), int(m["device_count"]), m["address"])
+                for m in t["members"]
+            ),
+            mesh_shape=tuple(t["mesh_shape"]),
+            jax_coordinator_address=t["jax_coordinator_address"],
+            restore_step=int(t["restore_step"]),
+            reason=t["reason"],
+            created_at=float(t["created_at"]),
+            halted=bool(t["halted"]),
+            job_id=t.get("job_id", ""),
+        )
+    return Event(
+        type=EventType(d["type"]),
+        time=float(d["time"]),
+        epoch=int(d["epoch"]),
+        reason=d.get("reason", ""),
+        host_id=d.get("host_id", ""),
+        incarnation=int(d.get("incarnation", 0)),
+        topology=topology,
+        details={str(k): str(v) for k, v in (d.get("details") or {}).items()},
+        id=d.get("id", ""),
+    )
 
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")

@@ -23,6 +23,9 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from remesh.cli.views import event_from_dict
+from remesh.coordinator import goodput
+
 __all__ = ["PHASES", "build_report", "compare", "step_records"]
 
 # The phases of one recovery, in order. In-place: the coordinator decides and broadcasts a new epoch.
@@ -243,6 +246,10 @@ def build_report(
             "events_after_finish": after_finish,
         },
         "goodput": _goodput(run, reports, steps),
+        # The same run as the coordinator (and `remesh goodput`) sees it, from the event log alone.
+        "goodput_from_log": goodput.compute(
+            [event_from_dict(e) for e in ordered], float(run["ended_at"]), final_step
+        ).to_dict(),
         "failures": reports,
         "loss": [
             {"t": round(r["t"] - float(run["started_at"]), 3), "step": r["step"], "loss": r["loss"]}
