@@ -19,6 +19,7 @@ from examples.tinylm.train_elastic import checksum
 from remesh.coordinator.settings import PlannerSettings
 from remesh.embedded import FakeGcsServer, RedisServer
 from remesh.v1 import coordinator_pb2 as pb
+from remesh.v1.contract import recovery_id
 from tests.procs import Cluster, wait_for
 from tests.test_metrics import Samples, metrics_port, scrape, value
 
@@ -173,6 +174,13 @@ def test_a_killed_host_is_replaced_by_the_spare_and_the_result_is_bitwise_equal(
         assert (value(samples, "remesh_trainer_snapshots_total", **me) or 0) >= 1
         assert (value(samples, "remesh_trainer_snapshot_bytes_total", **me) or 0) > 0
         assert value(samples, "remesh_trainer_restores_total", **me, source="scratch") == 1
+        # The trainers' lines about joining epoch 2 carry the recovery's id, as the agents' and the
+        # coordinator's do (tests/test_logs.py).
+        tag = f"recovery={recovery_id(cluster.job, 2)}"
+        for host in ("host-0", "spare-0", "host-2"):
+            ready = [line for line in cluster.agents[host].output().splitlines() if "epoch ready" in line]
+            assert any(tag in line for line in ready), (host, ready)
+            assert not any(tag in line for line in ready if "epoch=1" in line)
         after = cluster.topology()
         assert after.epoch == 2 and [m.host_id for m in after.members] == ["host-0", "spare-0", "host-2"]
         events = cluster.events()

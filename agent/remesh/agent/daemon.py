@@ -49,7 +49,7 @@ from remesh.v1 import agent_pb2 as apb
 from remesh.v1 import agent_pb2_grpc as apb_grpc
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
-from remesh.v1.contract import FINISHED_METADATA, Env, TrainerAssignment, commits_of, rank_of
+from remesh.v1.contract import FINISHED_METADATA, Env, TrainerAssignment, commits_of, rank_of, recovery_id
 
 __all__ = ["Agent", "AgentExit"]
 
@@ -465,6 +465,8 @@ class Agent:
             self.last_progress = time.monotonic()
         self.topology = topology
         self.log = self.log.bind(epoch=topology.epoch)
+        if changed and topology.epoch >= 2:  # every later epoch is a recovery's (or a drain's, a grow's)
+            self.log = self.log.bind(recovery=recovery_id(self.settings.job_id, topology.epoch))
         if changed:
             await self._assignments_changed()
         rank = self._rank(topology)
@@ -604,6 +606,12 @@ class Agent:
             epoch=result.epoch,
             stopped=result.stopped,
             hung=result.hung,
+            # Not stopped by the agent: a failure, which the recovery producing the next epoch handles.
+            **(
+                {}
+                if result.stopped
+                else {"recovery": recovery_id(self.settings.job_id, self.topology.epoch + 1)}
+            ),
         )
         decision = core.on_trainer_exit(
             self.state,
@@ -642,7 +650,12 @@ class Agent:
         except grpc.aio.AioRpcError as exc:
             self.log.warning("could not report the trainer fault", code=exc.code().name, detail=exc.details())
             return
-        self.log.info("fault reported", member_dead=reply.member_dead, reason=reply.reason)
+        self.log.info(
+            "fault reported",
+            member_dead=reply.member_dead,
+            reason=reply.reason,
+            recovery=recovery_id(self.settings.job_id, fault.epoch + 1),
+        )
         decision = core.on_fault_reply(
             member_dead=reply.member_dead, fault_epoch=fault.epoch, current_epoch=self.topology.epoch
         )

@@ -83,7 +83,13 @@ from remesh.elastic.sharding import (
     whole,
 )
 from remesh.elastic.snapshots import Snapshots
-from remesh.v1.contract import ADDRESS_IN_USE_EXIT_CODE, RESTART_EXIT_CODE, STATE_LOST_EXIT_CODE, Env
+from remesh.v1.contract import (
+    ADDRESS_IN_USE_EXIT_CODE,
+    RESTART_EXIT_CODE,
+    STATE_LOST_EXIT_CODE,
+    Env,
+    recovery_id,
+)
 
 __all__ = [
     "ADDRESS_IN_USE_EXIT_CODE",
@@ -461,6 +467,7 @@ class Session:
         self.checkpoints = list(checkpoints)
         self.agent = agent or AgentClient.from_env()
         job = job_id or os.environ.get(Env.JOB, "default")
+        self.job_id = job
         shm = (
             Path(self.policy.shm_dir) / f"remesh-{job}-{self.agent.latest.host_id or 'host'}"
             if self.policy.shm_dir
@@ -612,7 +619,13 @@ class Session:
                 if isinstance(exc, PeerFailure):
                     self.stats["peer_failures"] += 1
                 t_fail = time.monotonic()
-                log.warning("leaving epoch", epoch=assignment.epoch, reason=str(exc), recovery=recoveries)
+                log.warning(
+                    "leaving epoch",
+                    epoch=assignment.epoch,
+                    reason=str(exc),
+                    recoveries=recoveries,
+                    recovery=recovery_id(self.job_id, assignment.epoch + 1),
+                )
                 # Orbax and the snapshot copies read from the devices: they must finish before the
                 # runtime goes. Watched like a step (a snapshot waits for its step, which may be
                 # stuck in a collective with the dead peer until the collective timeout): still
@@ -700,6 +713,10 @@ class Session:
         """Take part in ``assignment``'s epoch: join its runtime, build its mesh, restore the state
         onto it (compiling the session's step meanwhile, with ``compile``), and meet every member."""
         phases, self._recovery = dict(self._recovery), {}
+        if assignment.epoch >= 2:
+            # Every line logged while joining (runtime, restore, compile, first step) names the
+            # recovery it is part of, as the coordinator's and the agents' lines do; unbound on ack.
+            structlog.contextvars.bind_contextvars(recovery=recovery_id(self.job_id, assignment.epoch))
         # Wall-clock time this member began the epoch (a time, not a duration): with the epoch's
         # publication time it gives how long the epoch took to reach the trainer.
         phases["started_at"] = time.time()
@@ -777,6 +794,8 @@ class Session:
             self.agent.ack(assignment.epoch, restored, source, phases, tiers)
         except AgentUnreachable as exc:
             raise RestartProcess(str(exc)) from exc
+        finally:
+            structlog.contextvars.unbind_contextvars("recovery")
 
     def _finish(self, assignment: Assignment, step: int) -> None:
         """The job's last step is done here: once every member has done it, report the job finished

@@ -27,6 +27,7 @@ __all__ = [
     "Env",
     "TrainerAssignment",
     "rank_of",
+    "recovery_id",
 ]
 
 # The trainer cannot recover in-process (its JAX runtime is beyond repair, say): the agent restarts it
@@ -124,6 +125,14 @@ def parse_commits(text: str) -> tuple[tuple[int, int], ...]:
 
 def commits_of(commits: Iterable[pb.CheckpointCommit]) -> tuple[tuple[int, int], ...]:
     return tuple((int(c.step), int(c.epoch)) for c in commits)
+
+
+def recovery_id(job_id: str, epoch: int) -> str:
+    """The id every component logs a recovery under (``recovery=``): the job, and the epoch the
+    recovery produces. A failure while epoch N runs belongs to the recovery that produces N + 1; the
+    coordinator's verdict, the agents' restarts and the trainers' restores all say so, so one query
+    for the id shows the recovery's whole path."""
+    return f"{job_id}#{epoch}"
 
 
 def rank_of(topology: pb.Topology, host_id: str) -> int:

@@ -49,6 +49,7 @@ from remesh.coordinator.model import (
 from remesh.coordinator.planner import Decision, Kind, plan, plan_events
 from remesh.coordinator.settings import Settings
 from remesh.coordinator.store import RedisStore
+from remesh.v1.contract import recovery_id
 
 __all__ = ["AgentStream", "Coordinator"]
 
@@ -68,6 +69,18 @@ _GOODPUT_EVENTS = frozenset(
     }
 )
 _GOODPUT_EVERY_S = 5.0
+# A failure belongs to the recovery that produces the next epoch; an epoch after the first, to the
+# recovery that produced it (remesh.v1.contract.recovery_id).
+_FAILURE_EVENTS = frozenset({EventType.MEMBER_SUSPECT, EventType.MEMBER_DEAD, EventType.FAULT_REPORTED})
+_EPOCH_EVENTS = frozenset({EventType.TOPOLOGY_CHANGED, EventType.EPOCH_ACKED, EventType.EPOCH_LIVE})
+
+
+def _recovery_of(job_id: str, event: Event) -> dict[str, str]:
+    if event.type in _FAILURE_EVENTS:
+        return {"recovery": recovery_id(job_id, event.epoch + 1)}
+    if event.type in _EPOCH_EVENTS and event.epoch >= 2:
+        return {"recovery": recovery_id(job_id, event.epoch)}
+    return {}
 
 Clock = Callable[[], float]
 
@@ -345,6 +358,7 @@ class Coordinator:
                 incarnation=event.incarnation or None,
                 epoch=event.epoch,
                 reason=event.reason,
+                **_recovery_of(self.settings.job_id, event),
             )
             if event.type is EventType.MEMBER_FORGOTTEN:
                 self._liveness.pop(event.host_id)
