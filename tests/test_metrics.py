@@ -115,6 +115,10 @@ def test_agents_and_trainers_publish_what_they_do_and_a_killed_trainer_is_counte
 
     after = wait_for(counted, 60, "the kill counted and the next trainer's steps added")
     assert (value(after, "remesh_trainer_step_seconds_total", **me) or 0) > seconds
+    # The coordinator echoed heartbeats in its keepalives (every 0.5 s of silence): round trips on
+    # loopback, well under a second each.
+    rtts = value(after, "remesh_agent_heartbeat_rtt_seconds_count", **me) or 0
+    assert rtts >= 1 and (value(after, "remesh_agent_heartbeat_rtt_seconds_sum", **me) or 0) / rtts < 1.0
     # The other host's endpoint is its own, and the coordinator's parses too.
     other = scrape(metrics_port(cluster.agents["host-1"]))
     assert value(other, "remesh_agent_connected", host="host-1", job_id=job_id) == 1

@@ -338,6 +338,10 @@ class Agent:
             if message is _EOF:
                 break
             assert isinstance(message, pb.HeartbeatResponse)
+            if message.echo:
+                self.metrics.heartbeat_rtt.observe(
+                    max(0.0, time.monotonic() - message.echo - message.echo_held_s)
+                )
             if message.HasField("topology"):
                 await self._on_topology(message.topology)
             if message.command == pb.COMMAND_REREGISTER:
@@ -369,6 +373,7 @@ class Agent:
                 incarnation=incarnation,
                 step=self.last_step,
                 trainer_status=self._trainer_status(),
+                probe=time.monotonic(),  # echoed in a keepalive: the round trip
             )
             self._check_hang()
             with contextlib.suppress(TimeoutError):

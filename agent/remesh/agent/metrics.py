@@ -97,6 +97,13 @@ class AgentMetrics:
             names,
             registry=r,
         ).labels(**labels)
+        self.heartbeat_rtt = Histogram(
+            "remesh_agent_heartbeat_rtt_seconds",
+            "Round trip of a heartbeat (the coordinator echoes one in each keepalive, less the time it held it)",
+            names,
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+            registry=r,
+        ).labels(**labels)
         self._call_seconds = Histogram(
             "remesh_agent_coordinator_call_seconds",
             "Round trip of the agent's calls to the coordinator (Register, and the trainer's relayed calls)",

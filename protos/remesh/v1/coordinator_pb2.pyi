@@ -239,26 +239,32 @@ class RegisterResponse(_message.Message):
     def __init__(self, member: _Optional[_Union[Member, _Mapping]] = ..., topology: _Optional[_Union[Topology, _Mapping]] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("host_id", "incarnation", "step", "trainer_status")
+    __slots__ = ("host_id", "incarnation", "step", "trainer_status", "probe")
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TRAINER_STATUS_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
     host_id: str
     incarnation: int
     step: int
     trainer_status: TrainerStatus
-    def __init__(self, host_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., step: _Optional[int] = ..., trainer_status: _Optional[_Union[TrainerStatus, str]] = ...) -> None: ...
+    probe: float
+    def __init__(self, host_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., step: _Optional[int] = ..., trainer_status: _Optional[_Union[TrainerStatus, str]] = ..., probe: _Optional[float] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("topology", "command", "reason")
+    __slots__ = ("topology", "command", "reason", "echo", "echo_held_s")
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     COMMAND_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    ECHO_FIELD_NUMBER: _ClassVar[int]
+    ECHO_HELD_S_FIELD_NUMBER: _ClassVar[int]
     topology: Topology
     command: Command
     reason: str
-    def __init__(self, topology: _Optional[_Union[Topology, _Mapping]] = ..., command: _Optional[_Union[Command, str]] = ..., reason: _Optional[str] = ...) -> None: ...
+    echo: float
+    echo_held_s: float
+    def __init__(self, topology: _Optional[_Union[Topology, _Mapping]] = ..., command: _Optional[_Union[Command, str]] = ..., reason: _Optional[str] = ..., echo: _Optional[float] = ..., echo_held_s: _Optional[float] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("host_id", "incarnation", "reason")

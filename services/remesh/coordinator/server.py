@@ -14,6 +14,7 @@ import contextlib
 import math
 import re
 import socket
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -106,6 +107,21 @@ async def _answer(context: grpc.aio.ServicerContext, call: Awaitable[T]) -> T:
     except CoordinatorError as exc:
         await _abort(context, exc)
         raise AssertionError("unreachable") from exc  # abort always raises
+
+
+@dataclass
+class _Probe:
+    """The newest heartbeat's probe on one stream, and when it arrived (this process's clock)."""
+
+    value: float
+    received: float
+
+    def echo(self) -> pb.HeartbeatResponse:
+        if not self.value:
+            return pb.HeartbeatResponse()
+        reply = pb.HeartbeatResponse(echo=self.value, echo_held_s=time.monotonic() - self.received)
+        self.value = 0.0  # each probe once
+        return reply
 
 
 class _Malformed:
@@ -279,7 +295,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         except CoordinatorError as exc:
             await _abort(context, exc)
         stream = self._c.attach_stream(first.host_id, first.incarnation)
-        reader = asyncio.create_task(self._read(request_iterator, first))
+        probe = _Probe(first.probe, time.monotonic())
+        reader = asyncio.create_task(self._read(request_iterator, first, probe))
         topologies = aiter(self._c.watch_topology(self._c.state.epoch))
         next_topology = asyncio.ensure_future(anext(topologies))
         next_command = asyncio.ensure_future(stream.commands.get())
@@ -293,8 +310,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     return_when=asyncio.FIRST_COMPLETED,
                 )
                 if not done:
-                    # Nothing to say: an empty message tells the agent this coordinator still answers.
-                    yield pb.HeartbeatResponse()
+                    # Nothing to say: an empty message tells the agent this coordinator still answers,
+                    # and echoes its newest heartbeat's probe (its round trip).
+                    yield probe.echo()
                     continue
                 if next_topology in done:
                     yield self._topology_message(next_topology.result())
@@ -333,7 +351,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             self._encoded = (key, topology, reply.SerializeToString())
         return self._encoded[2]
 
-    async def _read(self, requests: AsyncIterator[pb.HeartbeatRequest], first: pb.HeartbeatRequest) -> None:
+    async def _read(
+        self, requests: AsyncIterator[pb.HeartbeatRequest], first: pb.HeartbeatRequest, probe: _Probe
+    ) -> None:
         async for request in requests:
             if isinstance(request, _Malformed):
                 raise InvalidRequest(request.message)
@@ -342,6 +362,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     f"a heartbeat stream belongs to {first.host_id} incarnation {first.incarnation}; "
                     f"got {request.host_id} incarnation {request.incarnation}"
                 )
+            probe.value, probe.received = request.probe, time.monotonic()
             await self._c.heartbeat(request.host_id, request.incarnation, request.step, _idle(request))
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:

@@ -82,6 +82,7 @@ def _recovery_of(job_id: str, event: Event) -> dict[str, str]:
         return {"recovery": recovery_id(job_id, event.epoch)}
     return {}
 
+
 Clock = Callable[[], float]
 
 
