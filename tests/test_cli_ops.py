@@ -574,3 +574,19 @@ def test_goodput_live_on_the_coordinator_and_from_the_log_afterwards_agree(
             assert value(gauges, "remesh_badput_seconds", category=category) == pytest.approx(
                 seconds, abs=1e-3
             )
+
+
+def test_goodput_from_a_log_that_is_not_one_says_which_line_and_what_to_give(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    bad = tmp_path / "job.jsonl"
+    bad.write_text('{"type": "member_joined", "time": 1.0, "epoch": 0}\nnot json\n')
+    code, out, err = inproc(capsys, "goodput", "--from-log", str(bad))
+    assert code == 2 and out == ""
+    assert f"{bad}:2 is not an event as `remesh events --json` prints it" in err
+    code, _, err = inproc(capsys, "goodput", "--from-log", str(tmp_path / "missing.jsonl"))
+    assert code == 2 and "missing.jsonl" in err
+    # An event of a type this version does not know is refused the same way, not skipped.
+    bad.write_text('{"type": "member_teleported", "time": 1.0, "epoch": 0}\n')
+    code, _, err = inproc(capsys, "goodput", "--from-log", str(bad))
+    assert code == 2 and ":1 is not an event" in err
