@@ -389,6 +389,19 @@ def test_plan_events(case: Case) -> None:
     assert plan(case.now, after, case.steps, case.settings).kind is Kind.NONE
 
 
+def test_a_new_topology_records_how_far_the_epoch_it_replaces_got() -> None:
+    state = formed(FOUR, epoch=3, states={"a1": DEAD}, others=spares("s0"))
+    steps = {"a0": 40, "a1": 44, "a2": 41, "a3": 39}
+    # The furthest member (the dead one included: its steps were trained, then lost).
+    assert plan(50.0, state, steps, S()).details == {"reached_step": "44"}
+    # Every member registered again (a whole-job restart) and reports -1: the step the caller
+    # tracked for the epoch says it; the furthest of the two wins.
+    restarted = {h: -1 for h in FOUR}
+    assert plan(50.0, state, restarted, S(), reached=52).details == {"reached_step": "52"}
+    assert plan(50.0, state, steps, S(), reached=12).details == {"reached_step": "44"}
+    assert plan(50.0, state, restarted, S()).details == {"reached_step": "-1"}  # nobody knows
+
+
 def test_new_epoch_is_old_plus_one_and_survivors_keep_their_ranks() -> None:
     state = formed(FOUR, epoch=9, states={"a2": DEAD}, others=spares("s0", "s1"))
     decision = plan(50.0, state, {"a0": 4, "a1": 4, "a3": 4}, S())

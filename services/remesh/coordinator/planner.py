@@ -82,7 +82,15 @@ def _restore_step(survivors: Sequence[str], steps: Mapping[str, int], fallback: 
     return min(known) if known else fallback
 
 
-def plan(now: float, state: ClusterState, steps: Mapping[str, int], settings: PlannerSettings) -> Decision:
+def plan(
+    now: float,
+    state: ClusterState,
+    steps: Mapping[str, int],
+    settings: PlannerSettings,
+    reached: int | None = None,
+) -> Decision:
+    """``reached``: the furthest step a member reported in the current epoch, where the caller tracked
+    it (a member that registered again reports -1 in ``steps``); else the furthest of ``steps``."""
     topology = state.topology
     if topology is not None and topology.halted:
         return Decision(Kind.NONE, f"job halted: {topology.reason}")
@@ -115,7 +123,8 @@ def plan(now: float, state: ClusterState, steps: Mapping[str, int], settings: Pl
     restore = _restore_step(survivors, steps, topology.restore_step)
     # How far the epoch being replaced got (its furthest member): recorded with the new topology, so
     # the event log alone says how many steps a recovery threw away (remesh.coordinator.goodput).
-    reached = {"reached_step": str(max((steps[h] for h in current if h in steps), default=-1))}
+    furthest = max((steps[h] for h in current if h in steps), default=-1)
+    details = {"reached_step": str(max(furthest, reached if reached is not None else -1))}
 
     if not lost and state.address_refused_epoch == topology.epoch:
         return Decision(
@@ -123,7 +132,7 @@ def plan(now: float, state: ClusterState, steps: Mapping[str, int], settings: Pl
             f"{topology.jax_coordinator_address} was taken on {current[0]}: same hosts, new address",
             current,
             topology.restore_step,
-            reached,
+            details,
         )
     if not lost:
         target = settings.largest_valid_size(len(current) + len(spares))
@@ -135,7 +144,7 @@ def plan(now: float, state: ClusterState, steps: Mapping[str, int], settings: Pl
                 f"grew from {len(current)} to {target} hosts: added {added}",
                 hosts,
                 restore,
-                reached,
+                details,
             )
         return Decision(Kind.NONE, "topology healthy")
 
@@ -171,7 +180,7 @@ def plan(now: float, state: ClusterState, steps: Mapping[str, int], settings: Pl
             else f"hot spare {s} takes rank {current.index(h)} of {h}"
             for h, s in replacement.items()
         )
-        return Decision(Kind.REPLACE, f"{why_lost}: {swaps}", hosts, restore, reached)
+        return Decision(Kind.REPLACE, f"{why_lost}: {swaps}", hosts, restore, details)
 
     pool = [*survivors, *spares]
     size = settings.largest_valid_size(len(pool))
@@ -182,7 +191,7 @@ def plan(now: float, state: ClusterState, steps: Mapping[str, int], settings: Pl
             f"{why_lost}: {len(spares)} spare(s) for {len(lost)} lost; shrank from {len(current)} to {size} hosts",
             hosts,
             restore,
-            reached,
+            details,
         )
 
     if state.waiting_since is None:

@@ -154,6 +154,11 @@ class Coordinator:
         # The events goodput is computed from (and the log's first), kept as they are published; None
         # until this replica, leading, read them from the log (remesh.coordinator.goodput).
         self._goodput_log: list[Event] | None = None
+        # The furthest step a member that acknowledged the current epoch reported in it: what the next
+        # topology records as how far this epoch got. A member's own entry in ``_steps`` falls back to
+        # -1 when it registers again (every member does, in a whole-job restart). Not kept across a
+        # change of leader (the planner then takes the furthest of ``_steps``).
+        self._epoch_reached = -1
         self._goodput_at = 0.0
         self._queue_writer: asyncio.Task[None] | None = None
         self._topology_changed = asyncio.Condition()
@@ -245,6 +250,7 @@ class Coordinator:
             self._grant_all(self._clock())
             self._dirty_steps = {}
             self._goodput_log = None  # read again from the log: another replica led meanwhile
+            self._epoch_reached = -1
             self.leadership.led(token)
         self._update_gauges()
         log.info(
@@ -314,7 +320,7 @@ class Coordinator:
                 now = self._clock()
                 events, answer = transition(self.state, now)
                 after = replay(events, self.state)
-                decision = plan(now, after, self._steps, self.settings.planner)
+                decision = plan(now, after, self._steps, self.settings.planner, self._epoch_reached)
                 # Held (a burst being collected) or waiting for a replacement: the clock alone will
                 # change the plan, so the detector asks again on every tick until it does.
                 self._replan = decision.kind in (Kind.HOLD, Kind.WAIT) or after.waiting_since is not None
@@ -350,6 +356,8 @@ class Coordinator:
             self.metrics.events.labels(type=event.type.value).inc()
             if self._goodput_log is not None and event.type in _GOODPUT_EVENTS:
                 self._goodput_log.append(event)
+            if event.type in (EventType.TOPOLOGY_CHANGED, EventType.JOB_HALTED):
+                self._epoch_reached = -1  # the new epoch's own steps from now on
             topology = self.state.topology
             if event.type is EventType.EPOCH_LIVE and topology is not None and topology.epoch == event.epoch:
                 self.metrics.epoch_live.observe(max(0.0, event.time - topology.created_at))
@@ -459,7 +467,7 @@ class Coordinator:
         # need a nudge without an event; only while one is pending (a plan sorts every member).
         if not self._replan:
             return
-        decision = plan(now, self.state, self._steps, self.settings.planner)
+        decision = plan(now, self.state, self._steps, self.settings.planner, self._epoch_reached)
         if decision.kind not in (Kind.NONE, Kind.HOLD):
             await self._change(lambda s, t: [])
 
@@ -567,6 +575,13 @@ class Coordinator:
         self.metrics.heartbeats.inc()
         events = membership.heartbeat(now, self.state, host_id, incarnation, self._max_id)
         self._liveness.heard(host_id, incarnation, now)
+        topology = self.state.topology
+        if (
+            topology is not None
+            and step > self._epoch_reached
+            and self.state.acks.get(host_id) == topology.epoch
+        ):
+            self._epoch_reached = step
         if self._steps.get(host_id, -1) != step and not self.state.finished:
             # Once the job finished its steps are final (an exiting agent's last beats change nothing).
             # -1 comes from an agent whose trainer has reported nothing yet: a host that came back
