@@ -148,13 +148,12 @@ def test_demo_recovers_a_killed_host_and_reports_what_the_event_log_says(tmp_pat
     check_report_against_log(report, events)
     check_clean_end(report, events)
     assert 0 < report["goodput"]["goodput"] < 1
-    # The coordinator's computation from the event log alone (remesh goodput, remesh_goodput_ratio)
-    # against the report's, from the trainer's own step records: the same time on kept steps, the
-    # same restore, about the same recovery (the log cannot see the kill, only the death it caused).
-    demo_goodput, log_goodput = report["goodput"], report["goodput_from_log"]
-    assert log_goodput["finished"] and log_goodput["productive_s"] == pytest.approx(
-        demo_goodput["productive_s"], rel=0.15
-    )
+    # The report's goodput is the coordinator's computation from the event log (remesh goodput,
+    # remesh_goodput_ratio); a second opinion from the trainer's own step records agrees: the same
+    # time on kept steps, the same restore, about the same recovery (the log cannot see the kill,
+    # only the death it caused).
+    log_goodput, demo_goodput = report["goodput"], report["goodput_from_steps"]
+    assert log_goodput["productive_s"] == pytest.approx(demo_goodput["productive_s"], rel=0.15)
     log_badput, demo_badput = log_goodput["badput_s"], demo_goodput["badput_s"]
     assert log_badput["checkpoint_restore"] == pytest.approx(demo_badput["checkpoint_restore"], abs=0.05)
     assert log_badput["recovery"] == pytest.approx(demo_badput["recovery"], abs=0.75)

@@ -26,6 +26,27 @@ def ev(kind: str, t: float, epoch: int = 0, host: str = "", **details: Any) -> d
     }
 
 
+def topology(t: float, epoch: int, hosts: list[str], restore: int, **details: Any) -> dict[str, Any]:
+    """A topology_changed event as `remesh events --json` prints it."""
+    event = ev("topology_changed", t, epoch, **details)
+    event["topology"] = {
+        "epoch": epoch,
+        "world_size": len(hosts),
+        "mesh_shape": [len(hosts), 2],
+        "jax_coordinator_address": "127.0.0.1:1",
+        "restore_step": restore,
+        "reason": "test",
+        "created_at": T0 + t,
+        "halted": False,
+        "job_id": "job",
+        "commits": [],
+        "members": [
+            {"host_id": h, "rank": r, "device_count": 2, "address": "127.0.0.1"} for r, h in enumerate(hosts)
+        ],
+    }
+    return event
+
+
 def steps(first: int, last: int, t_start: float, dt: float, epoch: int, source: str) -> list[dict[str, Any]]:
     return [
         {"t": T0 + t_start + i * dt, "step": s, "loss": 5.0 - s / 100, "epoch": epoch, "source": source}
@@ -42,10 +63,10 @@ def one_failure_run() -> tuple[
     """Training from t=10 at 10 steps/s to step 100 (t=19.9); host-1 killed at t=20.0; the survivors
     restore step 98 (2 steps lost), first new step at t=22.6, then steps 99..200."""
     events = [
-        ev("topology_changed", 5.0, 1),
+        topology(5.0, 1, ["host-0", "host-1"], -1),
         ev("epoch_live", 9.9, 1),
         ev("member_dead", 20.12, 1, "host-1"),
-        ev("topology_changed", 20.13, 2),
+        topology(20.13, 2, ["host-0", "spare-0"], 98, reached_step=100),
         ev(
             "epoch_acked",
             22.5,
@@ -98,7 +119,7 @@ def test_a_recovery_is_measured_phase_by_phase_from_the_event_log() -> None:
 
 def test_goodput_counts_each_surviving_step_once_and_names_the_rest() -> None:
     report = build_report(*one_failure_run())
-    g = report["goodput"]
+    g = report["goodput_from_steps"]
     # 200 kept steps of 0.1 s; steps 99 and 100 of epoch 1 were trained again: wasted.
     assert g["productive_s"] == pytest.approx(20.0, abs=0.01)
     assert g["badput_s"]["wasted_progress"] == pytest.approx(0.2, abs=0.01)
@@ -110,6 +131,26 @@ def test_goodput_counts_each_surviving_step_once_and_names_the_rest() -> None:
     total = g["productive_s"] + sum(g["badput_s"].values())
     assert total == pytest.approx(g["wall_s"], abs=0.01)
     assert g["goodput"] == pytest.approx(g["productive_s"] / g["wall_s"], abs=1e-3)
+
+
+def test_the_reports_goodput_is_the_coordinators_from_the_event_log() -> None:
+    """The headline figures come from remesh.coordinator.goodput (what `remesh goodput` and the
+    coordinator's gauges say): epoch 1 ran from live (9.9) to host-1's death (20.12), 100 steps of
+    which epoch 2 kept 98; epoch 2 ran from 22.6 to the end (32.7), all kept."""
+    run, failures, events, records = one_failure_run()
+    g = build_report(run, failures, events, records)["goodput"]
+    assert g["productive_s"] == pytest.approx(10.22 * 98 / 100 + 10.1, abs=0.01)
+    assert g["badput_s"]["wasted_progress"] == pytest.approx(10.22 * 2 / 100, abs=0.01)
+    assert g["badput_s"]["initialization"] == pytest.approx(9.9, abs=0.01)  # from the demo's start
+    assert g["badput_s"]["checkpoint_restore"] == pytest.approx(1.0)
+    assert g["badput_s"]["recovery"] == pytest.approx(2.48 - 1.0, abs=0.01)
+    assert g["productive_s"] + sum(g["badput_s"].values()) == pytest.approx(g["wall_s"], abs=0.01)
+    assert [r["hosts"] for r in g["recoveries"]] == [["host-1"]]
+    # The checkpoint waits only the trainers know move from kept steps to checkpoint save.
+    waited = [dict(r, checkpoint_wait_s=0.5) if r["step"] == 200 else r for r in records]
+    h = build_report(run, failures, events, waited)["goodput"]
+    assert h["badput_s"]["checkpoint_save"] == pytest.approx(0.5)
+    assert h["productive_s"] == pytest.approx(g["productive_s"] - 0.5, abs=0.01)
 
 
 def test_a_failure_without_its_events_is_reported_unrecovered() -> None:

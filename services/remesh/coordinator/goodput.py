@@ -123,12 +123,17 @@ def _int(text: str | None) -> int | None:
         return None
 
 
-def compute(events: Iterable[Event], now: float, current_step: int | None = None) -> Goodput:
+def compute(
+    events: Iterable[Event], now: float, current_step: int | None = None, started_at: float | None = None
+) -> Goodput:
     """The job's goodput at ``now`` from its events (in log order). ``current_step``: the furthest
-    step a member of the current epoch completed (live); not needed once the job finished."""
+    step a member of the current epoch completed (live); not needed once the job finished.
+    ``started_at``: when the job started, where something before its first event knows (a launcher)."""
     # What was known at ``now``: the figures of a time are reproducible from a longer log.
     ordered = sorted((e for e in events if e.time <= now), key=lambda e: e.time)
     start = ordered[0].time if ordered else now
+    if started_at is not None:
+        start = min(start, started_at)
     epochs: list[_Epoch] = []
     by_number: dict[int, _Epoch] = {}
     failures: list[Event] = []

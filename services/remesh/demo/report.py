@@ -13,7 +13,9 @@ Goodput follows Google's ml-goodput-measurement: productive time is the time spe
 whose result survives to the end of the run; everything else is badput, broken down into
 initialisation (job start to the first step), recovery (failure to the first step after it, less
 its restore), checkpoint restore, checkpoint save (time the loop waited for a save), wasted progress
-(steps trained, lost to a failure, trained again) and the unaccounted rest.
+(steps trained, lost to a failure, trained again) and the unaccounted rest. The report's figures
+are the coordinator's (``remesh.coordinator.goodput``, from the event log), with the checkpoint
+waits only the trainers know; ``goodput_from_steps`` computes them again from the step records.
 """
 
 from __future__ import annotations
@@ -155,11 +157,45 @@ def _restored_bytes(ack: Mapping[str, Any]) -> dict[str, int]:
     return {str(k): int(v) for k, v in raw.items()} if isinstance(raw, dict) else {}
 
 
-def _goodput(
+def _goodput_from_log(
+    run: Mapping[str, Any], events: Sequence[Mapping[str, Any]], steps: Sequence[Mapping[str, Any]]
+) -> dict[str, Any]:
+    """The run's goodput as the coordinator computes it (``remesh.coordinator.goodput``, from the
+    event log alone), from the demo's start, with what only the trainers know added: the time their
+    loop waited for a checkpoint save (out of the time on kept steps) and the typical step."""
+    final_step = max((int(r["step"]) for r in steps), default=None)
+    g = goodput.compute(
+        [event_from_dict(e) for e in events], float(run["ended_at"]), final_step, float(run["started_at"])
+    )
+    by_source: dict[str, float] = {}  # each trainer process's running total: its last record counts
+    for r in steps:
+        by_source[str(r.get("source", ""))] = float(r.get("checkpoint_wait_s", 0.0))
+    save = min(sum(by_source.values()), g.productive_s)
+    badput = {k: float(v) if v is not None else 0.0 for k, v in g.badput_s.items()}
+    badput["checkpoint_save"] = save
+    productive, wall = g.productive_s - save, max(g.wall_s, 1e-9)
+    running = wall - badput["initialization"]
+    known = [r["duration"] for r in steps if r["duration"] is not None]
+    return {
+        "wall_s": round(wall, 3),
+        "productive_s": round(productive, 3),
+        "goodput": round(productive / wall, 4),
+        "running_s": round(running, 3),
+        "running_goodput": round(productive / running, 4) if running > 0 else 0.0,
+        "badput_s": {k: round(v, 3) for k, v in badput.items()},
+        "badput_fraction": {k: round(v / wall, 4) for k, v in badput.items()},
+        "median_step_s": round(statistics.median(known), 4) if known else 0.0,
+        "recoveries": g.to_dict()["recoveries"],
+    }
+
+
+def _goodput_from_steps(
     run: Mapping[str, Any],
     failures: Sequence[Mapping[str, Any]],  # the failure reports: time, epoch_after, phases
     steps: Sequence[Mapping[str, Any]],
 ) -> dict[str, Any]:
+    """The same categories from the trainer's own step records (rank 0's line per step): a second
+    opinion on ``_goodput_from_log``, which the report's headline figures come from."""
     start, end = float(run["started_at"]), float(run["ended_at"])
     wall = max(end - start, 1e-9)
     known = [r["duration"] for r in steps if r["duration"] is not None]
@@ -245,11 +281,10 @@ def build_report(
             "finished_step": int(finished["details"]["step"]) if finished else None,
             "events_after_finish": after_finish,
         },
-        "goodput": _goodput(run, reports, steps),
-        # The same run as the coordinator (and `remesh goodput`) sees it, from the event log alone.
-        "goodput_from_log": goodput.compute(
-            [event_from_dict(e) for e in ordered], float(run["ended_at"]), final_step
-        ).to_dict(),
+        # As the coordinator, `remesh goodput` and `remesh top` compute it (one implementation), and
+        # a second opinion from the trainer's step records.
+        "goodput": _goodput_from_log(run, ordered, steps),
+        "goodput_from_steps": _goodput_from_steps(run, reports, steps),
         "failures": reports,
         "loss": [
             {"t": round(r["t"] - float(run["started_at"]), 3), "step": r["step"], "loss": r["loss"]}
