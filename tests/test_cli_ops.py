@@ -564,6 +564,9 @@ def test_goodput_live_on_the_coordinator_and_from_the_log_afterwards_agree(
         )
 
     gauges = wait_for(refreshed, 20, "the coordinator's goodput refreshed after the recovery")
+    # One epoch info series, the new epoch's, with its reason (the dashboard's annotation).
+    (info,) = [dict(labels) for (name, labels) in gauges if name == "remesh_epoch_info"]
+    assert info["epoch"] == "2" and "spare-0 takes rank 1 of host-1" in info["reason"]
     at, step = value(gauges, "remesh_goodput_computed_at_seconds"), value(gauges, "remesh_goodput_step")
     assert at is not None and step is not None
     figures = replayed(at, int(step))

@@ -127,6 +127,17 @@ def test_agents_and_trainers_publish_what_they_do_and_a_killed_trainer_is_counte
     assert (value(served, "remesh_epoch") or 0) >= 1
     assert (value(served, "remesh_epoch_live_seconds_count") or 0) >= 1  # epoch 1 went live
 
+    # The current epoch and why it exists, for the dashboard's annotations (value: published, in ms).
+    # One series, the current epoch's (the killed trainer's host may have made a second one; read
+    # again until a scrape did not fall between the two gauges' updates).
+    def epoch_info() -> tuple[dict[str, str], float] | None:
+        s = scrape(metrics_port(coordinator))
+        (info,) = [(dict(labels), v) for (name, labels), v in s.items() if name == "remesh_epoch_info"]
+        return info if info[0]["epoch"] == str(int(value(s, "remesh_epoch") or 0)) else None
+
+    labels, published = wait_for(epoch_info, 10, "the epoch info of the current epoch")
+    assert labels["reason"] and published > 1e12
+
     # Every metric the Grafana dashboard (deploy/) queries is served by a live component.
     dashboard = json.loads(DASHBOARD.read_text())
     names = {name for expr in queries(dashboard) for name in re.findall(r"\bremesh_[a-z0-9_]+", expr)}

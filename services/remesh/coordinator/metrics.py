@@ -20,6 +20,14 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.members = Gauge("remesh_members", "Members by state", ["state"], registry=self.registry)
         self.epoch = Gauge("remesh_epoch", "Current topology epoch", registry=self.registry)
+        self.epoch_info = Gauge(
+            "remesh_epoch_info",
+            "The current epoch, labelled with its number and why it exists; the value is when it was "
+            "published (Unix time, ms), for dashboards' annotations (one series: the current epoch's)",
+            ["epoch", "reason"],
+            registry=self.registry,
+        )
+        self._epoch_labels: tuple[str, str] | None = None
         self.world_size = Gauge(
             "remesh_world_size", "Members in the current topology", registry=self.registry
         )
@@ -88,6 +96,15 @@ class Metrics:
             ["method", "kind"],
             registry=self.registry,
         )
+
+    def set_epoch(self, epoch: int, reason: str, created_at: float) -> None:
+        labels = (str(epoch), reason[:200])  # a reason lists every host lost: bounded for a label
+        if labels == self._epoch_labels:
+            return
+        if self._epoch_labels is not None:
+            self.epoch_info.remove(*self._epoch_labels)
+        self.epoch_info.labels(*labels).set(round(created_at * 1000))
+        self._epoch_labels = labels
 
     def set_members(self, counts: Mapping[MemberState, int]) -> None:
         for state in MemberState:

@@ -405,7 +405,10 @@ class Coordinator:
     def _update_gauges(self) -> None:
         self.metrics.set_members(Counter(m.state for m in self.state.members.values()))
         self.metrics.epoch.set(self.state.epoch)
-        self.metrics.world_size.set(self.state.topology.world_size if self.state.topology else 0)
+        topology = self.state.topology
+        self.metrics.world_size.set(topology.world_size if topology else 0)
+        if topology is not None:
+            self.metrics.set_epoch(topology.epoch, topology.reason, topology.created_at)
 
     # ---- detection -------------------------------------------------------------------------------
 
