@@ -535,6 +535,8 @@ def test_goodput_live_on_the_coordinator_and_from_the_log_afterwards_agree(
     assert live["productive_s"] + sum(v for v in badput.values() if v) == pytest.approx(
         live["wall_s"], abs=0.01
     )
+    assert [e["epoch"] for e in live["epochs"]] == [1, 2]  # per epoch, and for the whole job
+    assert sum(e["productive_s"] for e in live["epochs"]) == pytest.approx(live["productive_s"], abs=0.01)
     (recovery,) = live["recoveries"]
     assert recovery["hosts"] == ["host-1"] and recovery["epoch"] == 2 and recovery["to_live_s"] > 0
     assert recovery["steps_lost"] >= 0 and set(recovery["phases"]) >= {"decide", "restore"}

@@ -68,6 +68,11 @@ def test_one_failure_worked_out_by_hand() -> None:
     assert g.badput_s["other"] == pytest.approx(0.0, abs=1e-9)
     assert g.goodput == pytest.approx(g.productive_s / 230.0)
     assert set(g.badput_s) == set(BADPUT)
+    # Per epoch: epoch 1 ran 100 s for 99 timed steps, 89 kept; epoch 2 ran 100 s, all 99 kept.
+    assert [(e.epoch, e.steps, e.kept) for e in g.epochs] == [(1, 99, 89), (2, 99, 99)]
+    assert [round(e.ran_s, 6) for e in g.epochs] == [100.0, 100.0]
+    assert sum(e.productive_s for e in g.epochs) == pytest.approx(g.productive_s)
+    assert sum(e.wasted_s for e in g.epochs) == pytest.approx(g.badput_s["wasted_progress"])
     (r,) = g.recoveries
     assert (r.hosts, r.epoch, r.restored_step, r.steps_lost) == (("h1",), 2, 90, 10)
     assert r.phases["decide"] == pytest.approx(1.0) and r.phases["restore"] == 2.0

@@ -67,6 +67,21 @@ def _show(report: Goodput) -> None:
         share = f"{seconds / d['wall_s']:.1%}" if known and d["wall_s"] else "-"
         table.add_row(name.replace("_", " "), f"{seconds:.1f}" if known else "not known", share)
     console.print(table)
+    if d["epochs"]:
+        per = Table(title="epochs", title_justify="left")
+        for column in ("epoch", "ran", "steps", "kept", "productive", "wasted"):
+            per.add_column(column, justify="right")
+        for e in d["epochs"]:
+            known = e["steps"] is not None
+            per.add_row(
+                str(e["epoch"]),
+                f"{e['ran_s']:.1f}s",
+                str(e["steps"]) if known else "not known",
+                str(e["kept"]) if known else "-",
+                f"{e['productive_s']:.1f}s",
+                f"{e['wasted_s']:.1f}s",
+            )
+        console.print(per)
     if d["recoveries"]:
         rec = Table(title="recoveries", title_justify="left")
         for column in ("failed", "hosts", "epoch", "to live", "steps lost", "phases (slowest member)"):

@@ -34,7 +34,7 @@ from typing import Any
 
 from remesh.coordinator.model import Event, EventType
 
-__all__ = ["BADPUT", "Goodput", "Recovery", "compute"]
+__all__ = ["BADPUT", "EpochRun", "Goodput", "Recovery", "compute"]
 
 BADPUT = ("initialization", "recovery", "checkpoint_restore", "checkpoint_save", "wasted_progress", "other")
 _TRAINER_PHASES = ("reinit", "restore", "compile", "first_step")
@@ -68,6 +68,30 @@ class Recovery:
 
 
 @dataclass(frozen=True)
+class EpochRun:
+    """One epoch that went live: how long it ran, its timed steps, and how many of them were kept."""
+
+    epoch: int
+    live_at: float
+    ran_s: float
+    steps: int | None  # None: not known (no later topology or end said how far it got)
+    kept: int | None
+    productive_s: float
+    wasted_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "live_at": self.live_at,
+            "ran_s": round(self.ran_s, 3),
+            "steps": self.steps,
+            "kept": self.kept,
+            "productive_s": round(self.productive_s, 3),
+            "wasted_s": round(self.wasted_s, 3),
+        }
+
+
+@dataclass(frozen=True)
 class Goodput:
     started_at: float
     now: float
@@ -75,6 +99,7 @@ class Goodput:
     badput_s: Mapping[str, float | None]
     recoveries: Sequence[Recovery] = field(default_factory=tuple)
     finished: bool = False
+    epochs: Sequence[EpochRun] = field(default_factory=tuple)
 
     @property
     def wall_s(self) -> float:
@@ -94,6 +119,7 @@ class Goodput:
             "goodput": round(self.goodput, 4),
             "badput_s": {k: None if v is None else round(v, 3) for k, v in self.badput_s.items()},
             "recoveries": [r.to_dict() for r in self.recoveries],
+            "epochs": [e.to_dict() for e in self.epochs],
         }
 
 
@@ -172,6 +198,7 @@ def compute(
     assert live[0].live_at is not None
     badput["initialization"] = live[0].live_at - start
     recoveries: list[Recovery] = []
+    runs: list[EpochRun] = []
 
     def restored(ep: _Epoch) -> int:
         """The step the epoch's members resumed from (the lowest any of them restored)."""
@@ -206,8 +233,20 @@ def compute(
             kept = max(0, min(steps, kept_until - first))
             productive += running * kept / steps
             badput["wasted_progress"] = (badput["wasted_progress"] or 0.0) + running * (steps - kept) / steps
+            runs.append(
+                EpochRun(
+                    ep.epoch,
+                    ep.live_at,
+                    running,
+                    steps,
+                    kept,
+                    running * kept / steps,
+                    running * (steps - kept) / steps,
+                )
+            )
         else:
             badput["other"] = (badput["other"] or 0.0) + running
+            runs.append(EpochRun(ep.epoch, ep.live_at, running, None, None, 0.0, 0.0))
         if following is None:
             if successor is not None or signal is not None:  # a recovery under way: its window so far
                 badput["recovery"] = (badput["recovery"] or 0.0) + max(0.0, now - ran_until)
@@ -233,7 +272,7 @@ def compute(
             )
     accounted = productive + sum(v for v in badput.values() if v is not None)
     badput["other"] = (badput["other"] or 0.0) + max(0.0, (now - start) - accounted)
-    return Goodput(start, now, productive, badput, tuple(recoveries), finished)
+    return Goodput(start, now, productive, badput, tuple(recoveries), finished, tuple(runs))
 
 
 def _recovery(

@@ -186,6 +186,7 @@ def _goodput_from_log(
         "badput_fraction": {k: round(v / wall, 4) for k, v in badput.items()},
         "median_step_s": round(statistics.median(known), 4) if known else 0.0,
         "recoveries": g.to_dict()["recoveries"],
+        "epochs": g.to_dict()["epochs"],
     }
 
 
