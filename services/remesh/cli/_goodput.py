@@ -18,9 +18,10 @@ import grpc
 from rich.console import Console
 from rich.table import Table
 
+from remesh.cli._top import furthest_step
 from remesh.cli.views import event_from_dict
 from remesh.coordinator import convert
-from remesh.coordinator.goodput import Goodput, compute
+from remesh.coordinator.goodput import Goodput, compute, keep
 from remesh.coordinator.model import Event
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
@@ -43,12 +44,12 @@ def _from_log(path: Path) -> list[Event]:
 
 
 def _live(stub: Any, timeout: float) -> tuple[list[Event], int | None]:
-    events = [convert.event_from_pb(e) for e in stub.ReplayEvents(pb.ReplayEventsRequest(), timeout=timeout)]
+    events: list[Event] = []
+    for e in stub.ReplayEvents(pb.ReplayEventsRequest(), timeout=timeout):
+        keep(events, convert.event_from_pb(e))
     topology = stub.GetTopology(pb.GetTopologyRequest(), timeout=timeout)
-    ranked = {m.host_id for m in topology.members}
     members = stub.ListMembers(pb.ListMembersRequest(), timeout=timeout).members
-    steps = [m.last_step for m in members if m.host_id in ranked and m.last_step >= 0]
-    return events, max(steps) if steps else None
+    return events, furthest_step(topology, members)
 
 
 def _show(report: Goodput) -> None:

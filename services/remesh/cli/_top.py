@@ -13,6 +13,7 @@ import json
 import sys
 import time
 from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,31 +24,31 @@ from rich.text import Text
 
 from remesh.cli.views import enum_name, event_dict, event_line, member_dict, members_table, safe
 from remesh.coordinator import convert
-from remesh.coordinator.goodput import compute
-from remesh.coordinator.model import Event, EventType
+from remesh.coordinator.goodput import compute, keep
+from remesh.coordinator.model import Event
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
 
-__all__ = ["Top", "job_step", "run_top"]
+__all__ = ["Top", "furthest_step", "job_step", "run_top"]
 
-# What goodput is computed from (remesh.coordinator.goodput), besides the log's first event.
-_GOODPUT = {
-    EventType.TOPOLOGY_CHANGED,
-    EventType.EPOCH_ACKED,
-    EventType.EPOCH_LIVE,
-    EventType.MEMBER_DEAD,
-    EventType.JOB_FINISHED,
-    EventType.JOB_HALTED,
-}
 # Too frequent to be news on a screen of the last few events.
 _QUIET = {pb.EVENT_TYPE_MEMBER_ALIVE, pb.EVENT_TYPE_MEMBER_ASSIGNED, pb.EVENT_TYPE_EPOCH_ACKED}
 
 
-def job_step(topology: pb.Topology, members: list[pb.Member]) -> int | None:
-    """The lowest step completed by a member of ``topology`` (None: no member reported one)."""
+def _steps(topology: pb.Topology, members: Iterable[pb.Member]) -> list[int]:
     ranked = {m.host_id for m in topology.members}
-    steps = [m.last_step for m in members if m.host_id in ranked and m.last_step >= 0]
-    return min(steps) if len(steps) == len(ranked) and steps else None
+    return [m.last_step for m in members if m.host_id in ranked and m.last_step >= 0]
+
+
+def job_step(topology: pb.Topology, members: list[pb.Member]) -> int | None:
+    """The lowest step completed by a member of ``topology`` (None: not every member reported one)."""
+    steps = _steps(topology, members)
+    return min(steps) if len(steps) == len(topology.members) and steps else None
+
+
+def furthest_step(topology: pb.Topology, members: Iterable[pb.Member]) -> int | None:
+    """The furthest step a member of ``topology`` completed (goodput's current step)."""
+    return max(_steps(topology, members), default=None)
 
 
 @dataclass
@@ -73,9 +74,7 @@ class Top:
             pb.ReplayEventsRequest(after_id=self._after), timeout=self.timeout
         ):
             self._after = event.id
-            kept = convert.event_from_pb(event)
-            if kept.type in _GOODPUT or not self.goodput_events:
-                self.goodput_events.append(kept)
+            keep(self.goodput_events, convert.event_from_pb(event))
             if event.type == pb.EVENT_TYPE_EPOCH_LIVE:
                 self.live_epochs.add(event.epoch)
             if event.type not in _QUIET:
@@ -91,11 +90,7 @@ class Top:
             rate = max(0.0, (step - previous[2]) / (now - previous[0]))
         self._previous = (now, topology.epoch, step) if step is not None else None
         self.members, self.topology = members, topology
-        ranked = {m.host_id for m in topology.members}
-        furthest = max(
-            (m.last_step for m in members if m.host_id in ranked and m.last_step >= 0), default=None
-        )
-        report = compute(self.goodput_events, now, furthest)
+        report = compute(self.goodput_events, now, furthest_step(topology, members))
         self.doc = {
             "time": now,
             "job_id": topology.job_id,

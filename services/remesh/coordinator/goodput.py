@@ -27,6 +27,7 @@ A log cut by compaction (``log_compacted``) covers only what follows the cut.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,10 +35,28 @@ from typing import Any
 
 from remesh.coordinator.model import Event, EventType
 
-__all__ = ["BADPUT", "EpochRun", "Goodput", "Recovery", "compute"]
+__all__ = ["BADPUT", "EVENTS", "EpochRun", "Goodput", "Recovery", "compute", "keep"]
 
 BADPUT = ("initialization", "recovery", "checkpoint_restore", "checkpoint_save", "wasted_progress", "other")
 _TRAINER_PHASES = ("reinit", "restore", "compile", "first_step")
+# The events ``compute`` reads, besides the log's first (the job's start).
+EVENTS = frozenset(
+    {
+        EventType.TOPOLOGY_CHANGED,
+        EventType.EPOCH_ACKED,
+        EventType.EPOCH_LIVE,
+        EventType.MEMBER_DEAD,
+        EventType.JOB_FINISHED,
+        EventType.JOB_HALTED,
+    }
+)
+
+
+def keep(kept: list[Event], event: Event) -> None:
+    """Append ``event`` to ``kept`` if ``compute`` needs it: a reader following a long log keeps only
+    these."""
+    if event.type in EVENTS or not kept:
+        kept.append(event)
 
 
 @dataclass(frozen=True)
@@ -188,17 +207,18 @@ def compute(
         elif e.type is EventType.JOB_HALTED and end is None:
             end = e.time
     now = end if end is not None else now
-    badput: dict[str, float | None] = dict.fromkeys(BADPUT, 0.0)
-    badput["checkpoint_save"] = None
+    # Checkpoint save is not in the log: None in the result, left out of the sums here.
+    badput = dict.fromkeys((b for b in BADPUT if b != "checkpoint_save"), 0.0)
     productive = 0.0
     live = [ep for ep in epochs if ep.live_at is not None and ep.live_at <= now]
     if not live:
         badput["initialization"] = now - start
-        return Goodput(start, now, 0.0, badput, (), finished)
+        return Goodput(start, now, 0.0, _with_save_unknown(badput), (), finished)
     assert live[0].live_at is not None
     badput["initialization"] = live[0].live_at - start
     recoveries: list[Recovery] = []
     runs: list[EpochRun] = []
+    successors = {a.epoch: b for a, b in itertools.pairwise(epochs)}
 
     def restored(ep: _Epoch) -> int:
         """The step the epoch's members resumed from (the lowest any of them restored)."""
@@ -210,8 +230,7 @@ def compute(
         following = live[i + 1] if i + 1 < len(live) else None
         # The next epoch published after this one (the one that replaced it, live or not) says how far
         # this one got.
-        published = epochs.index(ep) + 1
-        successor = epochs[published] if published < len(epochs) else None
+        successor = successors.get(ep.epoch)
         # The epoch runs until its first failure signal, else until its successor is published (a
         # drain, a grow), else until the job's end or now.
         limit = successor.published_at if successor is not None else now
@@ -232,7 +251,7 @@ def compute(
         if steps > 0 and kept_until is not None:
             kept = max(0, min(steps, kept_until - first))
             productive += running * kept / steps
-            badput["wasted_progress"] = (badput["wasted_progress"] or 0.0) + running * (steps - kept) / steps
+            badput["wasted_progress"] = badput["wasted_progress"] + running * (steps - kept) / steps
             runs.append(
                 EpochRun(
                     ep.epoch,
@@ -245,11 +264,11 @@ def compute(
                 )
             )
         else:
-            badput["other"] = (badput["other"] or 0.0) + running
+            badput["other"] = badput["other"] + running
             runs.append(EpochRun(ep.epoch, ep.live_at, running, None, None, 0.0, 0.0))
         if following is None:
             if successor is not None or signal is not None:  # a recovery under way: its window so far
-                badput["recovery"] = (badput["recovery"] or 0.0) + max(0.0, now - ran_until)
+                badput["recovery"] = badput["recovery"] + max(0.0, now - ran_until)
                 if signal is not None:
                     recoveries.append(_recovery(signal, failures, now, None, None, reached))
             continue
@@ -261,8 +280,8 @@ def compute(
             for name in _TRAINER_PHASES
         }
         restore = min(window, phases["restore"])
-        badput["checkpoint_restore"] = (badput["checkpoint_restore"] or 0.0) + restore
-        badput["recovery"] = (badput["recovery"] or 0.0) + window - restore
+        badput["checkpoint_restore"] = badput["checkpoint_restore"] + restore
+        badput["recovery"] = badput["recovery"] + window - restore
         if signal is not None:
             phases = {"decide": max(0.0, following.published_at - signal.time), **phases}
             recoveries.append(
@@ -270,9 +289,14 @@ def compute(
                     signal, failures, following.live_at, following, restored(following), reached, phases
                 )
             )
-    accounted = productive + sum(v for v in badput.values() if v is not None)
-    badput["other"] = (badput["other"] or 0.0) + max(0.0, (now - start) - accounted)
-    return Goodput(start, now, productive, badput, tuple(recoveries), finished, tuple(runs))
+    badput["other"] += max(0.0, (now - start) - productive - sum(badput.values()))
+    return Goodput(
+        start, now, productive, _with_save_unknown(badput), tuple(recoveries), finished, tuple(runs)
+    )
+
+
+def _with_save_unknown(badput: Mapping[str, float]) -> dict[str, float | None]:
+    return {b: None if b == "checkpoint_save" else badput[b] for b in BADPUT}
 
 
 def _recovery(

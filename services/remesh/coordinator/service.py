@@ -57,17 +57,7 @@ log = structlog.get_logger("remesh.coordinator")
 
 T = TypeVar("T")
 
-# What goodput is computed from, and how often the coordinator's gauges of it are refreshed.
-_GOODPUT_EVENTS = frozenset(
-    {
-        EventType.TOPOLOGY_CHANGED,
-        EventType.EPOCH_ACKED,
-        EventType.EPOCH_LIVE,
-        EventType.MEMBER_DEAD,
-        EventType.JOB_FINISHED,
-        EventType.JOB_HALTED,
-    }
-)
+# How often the coordinator's goodput gauges are refreshed.
 _GOODPUT_EVERY_S = 5.0
 # A failure belongs to the recovery that produces the next epoch; an epoch after the first, to the
 # recovery that produced it (remesh.v1.contract.recovery_id).
@@ -354,8 +344,8 @@ class Coordinator:
     async def _published(self, events: list[Event], now: float) -> None:
         for event in events:
             self.metrics.events.labels(type=event.type.value).inc()
-            if self._goodput_log is not None and event.type in _GOODPUT_EVENTS:
-                self._goodput_log.append(event)
+            if self._goodput_log is not None:
+                goodput.keep(self._goodput_log, event)
             if event.type in (EventType.TOPOLOGY_CHANGED, EventType.JOB_HALTED):
                 self._epoch_reached = -1  # the new epoch's own steps from now on
             topology = self.state.topology
@@ -501,18 +491,19 @@ class Coordinator:
                 kept: list[Event] = []
                 async for page in self.store.page_events():
                     for event in page:
-                        if event.type in _GOODPUT_EVENTS or not kept:  # and the first: the job's start
-                            kept.append(event)
+                        goodput.keep(kept, event)
                 self._goodput_log = kept
         self._goodput_at = self._clock()
         step = self._furthest_step()
         self.metrics.set_goodput(goodput.compute(self._goodput_log, self._goodput_at, step), step)
 
     def _furthest_step(self) -> int | None:
-        """The furthest step a member of the current epoch reported."""
+        """The furthest step a member of the current epoch reported: what the next topology will record
+        as ``reached_step`` (the planner takes the same two figures)."""
         topology = self.state.topology
-        steps = [self._steps[h] for h in (topology.host_ids if topology else ()) if h in self._steps]
-        return max(steps) if steps else None
+        steps = [self._steps.get(h, -1) for h in (topology.host_ids if topology else ())]
+        furthest = max([self._epoch_reached, *steps])
+        return furthest if furthest >= 0 else None
 
     async def _keep_bounded(self) -> None:
         """Forget members gone for longer than the retention, and cut the event log once it is longer

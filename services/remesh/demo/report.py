@@ -157,6 +157,15 @@ def _restored_bytes(ack: Mapping[str, Any]) -> dict[str, int]:
     return {str(k): int(v) for k, v in raw.items()} if isinstance(raw, dict) else {}
 
 
+def _checkpoint_waits(steps: Sequence[Mapping[str, Any]]) -> float:
+    """Seconds the trainers' loops waited for a checkpoint save: each process reports its own running
+    total, so the last record of each counts once."""
+    by_source: dict[str, float] = {}
+    for r in steps:
+        by_source[str(r.get("source", ""))] = float(r.get("checkpoint_wait_s", 0.0))
+    return sum(by_source.values())
+
+
 def _goodput_from_log(
     run: Mapping[str, Any], events: Sequence[Mapping[str, Any]], steps: Sequence[Mapping[str, Any]]
 ) -> dict[str, Any]:
@@ -167,10 +176,7 @@ def _goodput_from_log(
     g = goodput.compute(
         [event_from_dict(e) for e in events], float(run["ended_at"]), final_step, float(run["started_at"])
     )
-    by_source: dict[str, float] = {}  # each trainer process's running total: its last record counts
-    for r in steps:
-        by_source[str(r.get("source", ""))] = float(r.get("checkpoint_wait_s", 0.0))
-    save = min(sum(by_source.values()), g.productive_s)
+    save = min(_checkpoint_waits(steps), g.productive_s)
     badput = {k: float(v) if v is not None else 0.0 for k, v in g.badput_s.items()}
     badput["checkpoint_save"] = save
     productive, wall = g.productive_s - save, max(g.wall_s, 1e-9)
@@ -185,8 +191,8 @@ def _goodput_from_log(
         "badput_s": {k: round(v, 3) for k, v in badput.items()},
         "badput_fraction": {k: round(v / wall, 4) for k, v in badput.items()},
         "median_step_s": round(statistics.median(known), 4) if known else 0.0,
-        "recoveries": g.to_dict()["recoveries"],
-        "epochs": g.to_dict()["epochs"],
+        "recoveries": [r.to_dict() for r in g.recoveries],
+        "epochs": [e.to_dict() for e in g.epochs],
     }
 
 
@@ -220,11 +226,7 @@ def _goodput_from_steps(
         restore = min(window, float(f.get("phases", {}).get("restore", 0.0)))
         badput["checkpoint_restore"] += restore
         badput["recovery"] += window - restore
-    # Each trainer process reports its own running total: the last record of each counts once.
-    by_source: dict[str, float] = {}
-    for r in steps:
-        by_source[str(r.get("source", ""))] = float(r.get("checkpoint_wait_s", 0.0))
-    badput["checkpoint_save"] = sum(by_source.values())
+    badput["checkpoint_save"] = _checkpoint_waits(steps)
     badput["other"] = wall - productive - sum(v for k, v in badput.items() if k != "other")
     # The same, from the first training step on: the job's start-up, paid once by every way of
     # recovering, left out (on this machine it is mostly JAX importing and compiling on 2 cores).
