@@ -180,8 +180,19 @@ def _goodput_from_log(
     badput = {k: float(v) if v is not None else 0.0 for k, v in g.badput_s.items()}
     badput["checkpoint_save"] = save
     productive, wall = g.productive_s - save, max(g.wall_s, 1e-9)
-    running = wall - badput["initialization"]
     known = [r["duration"] for r in steps if r["duration"] is not None]
+    return _summary(wall, productive, badput, statistics.median(known) if known else 0.0) | {
+        "recoveries": [r.to_dict() for r in g.recoveries],
+        "epochs": [e.to_dict() for e in g.epochs],
+    }
+
+
+def _summary(
+    wall: float, productive: float, badput: Mapping[str, float], median_step: float
+) -> dict[str, Any]:
+    """The goodput section of the report; "running" leaves the job's start-up out (paid once by every
+    way of recovering; on this machine mostly JAX importing and compiling on 2 cores)."""
+    running = wall - badput["initialization"]
     return {
         "wall_s": round(wall, 3),
         "productive_s": round(productive, 3),
@@ -190,9 +201,7 @@ def _goodput_from_log(
         "running_goodput": round(productive / running, 4) if running > 0 else 0.0,
         "badput_s": {k: round(v, 3) for k, v in badput.items()},
         "badput_fraction": {k: round(v / wall, 4) for k, v in badput.items()},
-        "median_step_s": round(statistics.median(known), 4) if known else 0.0,
-        "recoveries": [r.to_dict() for r in g.recoveries],
-        "epochs": [e.to_dict() for e in g.epochs],
+        "median_step_s": round(median_step, 4),
     }
 
 
@@ -228,19 +237,7 @@ def _goodput_from_steps(
         badput["recovery"] += window - restore
     badput["checkpoint_save"] = _checkpoint_waits(steps)
     badput["other"] = wall - productive - sum(v for k, v in badput.items() if k != "other")
-    # The same, from the first training step on: the job's start-up, paid once by every way of
-    # recovering, left out (on this machine it is mostly JAX importing and compiling on 2 cores).
-    running = wall - badput["initialization"]
-    return {
-        "wall_s": round(wall, 3),
-        "productive_s": round(productive, 3),
-        "goodput": round(productive / wall, 4),
-        "running_s": round(running, 3),
-        "running_goodput": round(productive / running, 4) if running > 0 else 0.0,
-        "badput_s": {k: round(v, 3) for k, v in badput.items()},
-        "badput_fraction": {k: round(v / wall, 4) for k, v in badput.items()},
-        "median_step_s": round(typical, 4),
-    }
+    return _summary(wall, productive, badput, typical)
 
 
 def build_report(
