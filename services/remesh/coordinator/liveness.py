@@ -116,12 +116,20 @@ class LivenessTable:
         self._queue(host_id, upcoming if upcoming is not None else now + self.settings.suspect_after_s)
 
     def _next(self, seen: Liveness, after: float) -> float | None:
+        """The next moment a verdict on ``seen`` can change, after ``after``. A threshold counts as
+        passed as the detector reckons it, ``after - since >= threshold``: in floating point that can
+        fall short at ``since + threshold`` itself (0.95 - 0.65 < 0.3), and the look then comes on the
+        next tick instead of a whole interval later."""
         s = self.settings
-        moments = [seen.last_seen + s.suspect_after_s, seen.last_seen + s.heartbeat_timeout_s]
+        thresholds = [(seen.last_seen, s.suspect_after_s), (seen.last_seen, s.heartbeat_timeout_s)]
         if seen.stream_broken_at is not None and s.stream_break_signal:
-            moments += [seen.stream_broken_at, seen.stream_broken_at + s.stream_grace_s]
-        later = [max(m, seen.not_before) for m in moments if max(m, seen.not_before) > after]
-        return min(later) if later else None
+            thresholds += [(seen.stream_broken_at, 0.0), (seen.stream_broken_at, s.stream_grace_s)]
+        ahead = [
+            max(since + threshold, seen.not_before)
+            for since, threshold in thresholds
+            if after - since < threshold or after < seen.not_before
+        ]
+        return min(ahead) if ahead else None
 
     def _queue(self, host_id: str, deadline: float | None) -> None:
         if deadline is None:
