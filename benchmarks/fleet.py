@@ -13,7 +13,8 @@ It trains nothing. On command it fails the way hosts fail:
 The orchestrator (``Fleet``, used by ``tests/test_fleet.py`` and ``benchmarks/scale.py``) starts the
 processes, sends them commands on stdin and reads what they saw on stdout, one JSON line each:
 ``{"ready": N}`` once every agent of the process is registered and streaming, then
-``{"host": H, "epoch": E, "t": T}`` for each topology an agent received (T: wall-clock time) and
+``{"host": H, "epoch": E, "t": T, "whole": W}`` for each topology an agent received (T: wall-clock
+time; W: false when it came as a delta from the one before) and
 ``{"beats": N, "t": T}`` every second. Run a simulator by hand with ``python benchmarks/fleet.py
 --help``.
 """
@@ -125,16 +126,40 @@ class SimAgent:
                 await self.speaking.wait()
                 self._beats[0] += 1
                 yield pb.HeartbeatRequest(
-                    host_id=self.host_id, incarnation=incarnation, trainer_status=pb.TRAINER_STATUS_RUNNING
+                    host_id=self.host_id,
+                    incarnation=incarnation,
+                    trainer_status=pb.TRAINER_STATUS_RUNNING,
+                    topology_deltas=True,
                 )
                 await asyncio.sleep(interval)
 
         call = stub.Heartbeat(beats())
+        # What this simulated agent keeps of the topology: its epoch and whether it is a member. A
+        # real agent rebuilds the whole member list from a delta (remesh.v1.deltas.apply: O(members)
+        # on its own host); a thousand of them in one process would measure this process, not the
+        # coordinator, so a simulated one applies the delta to what it keeps, and checks its base.
+        epoch, member = 0, False
         async for message in call:
-            if message.HasField("topology") and message.topology.epoch:
+            topology: pb.Topology | None = None
+            if message.HasField("topology"):
                 topology = message.topology
-                _emit({"host": self.host_id, "epoch": topology.epoch, "t": time.time()})
                 member = any(m.host_id == self.host_id for m in topology.members)
+            elif message.HasField("topology_delta"):
+                delta = message.topology_delta
+                if delta.base_epoch != epoch:
+                    _emit({"delta_mismatch": self.host_id, "detail": f"from {delta.base_epoch} on {epoch}"})
+                    call.cancel()
+                    return
+                topology = delta.topology
+                if self.host_id in delta.removed:
+                    member = False
+                elif any(m.host_id == self.host_id for m in delta.changed):
+                    member = True
+            if topology is not None:
+                epoch = topology.epoch
+            if topology is not None and topology.epoch:
+                whole = message.HasField("topology")
+                _emit({"host": self.host_id, "epoch": topology.epoch, "t": time.time(), "whole": whole})
                 if member and self.speaking.is_set():  # a silent host acknowledges nothing
                     ack = asyncio.create_task(self._ack(stub, incarnation, topology.epoch))
                     self._acks.add(ack)
@@ -233,6 +258,8 @@ class Fleet:
     pki: Any = None
     start_spread_s: float = 2.0
     arrivals: dict[int, dict[str, float]] = field(default_factory=dict)
+    # The agents that received each epoch as a delta from the one before.
+    as_delta: dict[int, set[str]] = field(default_factory=dict)
     beats: list[tuple[float, int]] = field(default_factory=list)
     # What went wrong at the simulated agents, counted: acknowledgements given up, streams broken.
     trouble: Counter[str] = field(default_factory=Counter)
@@ -287,6 +314,8 @@ class Fleet:
                     self._ready += 1
                 elif "host" in doc:
                     self.arrivals.setdefault(doc["epoch"], {}).setdefault(doc["host"], doc["t"])
+                    if not doc["whole"]:
+                        self.as_delta.setdefault(doc["epoch"], set()).add(doc["host"])
                 elif "beats" in doc:
                     self._beats_by_proc[proc.pid] = (doc["t"], doc["beats"])
                     self.beats.append((doc["t"], sum(b for _, b in self._beats_by_proc.values())))
@@ -296,6 +325,8 @@ class Fleet:
                     self.trouble[f"acknowledgement given up ({doc['code']})"] += 1
                 elif "ack_retried" in doc:
                     self.trouble[f"acknowledgement retried ({doc['code']})"] += 1
+                elif "delta_mismatch" in doc:
+                    self.trouble[f"topology delta out of step ({doc['detail']})"] += 1
                 elif "stream_end" in doc:
                     self.trouble[f"stream ended ({doc['code']})"] += 1
 

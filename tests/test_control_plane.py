@@ -107,6 +107,14 @@ def test_sigkill_of_an_active_host_is_replaced_by_the_spare(any_cluster: Cluster
         30,
         "epoch 2 live",
     )
+    # One of three members changed: each agent's stream carried epoch 2 as a delta from epoch 1.
+    for host in ("host-0", "host-1", "spare-0"):
+        said = [
+            line
+            for line in cluster.agents[host].output().splitlines()
+            if "topology" in line and "epoch=2" in line
+        ]
+        assert said and all("sent_as=delta" in line for line in said), (host, said)
     for w in watchers:
         w.close()
 

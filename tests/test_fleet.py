@@ -60,6 +60,10 @@ def test_a_tenth_of_the_fleet_killed_at_once_is_one_epoch_every_survivor_receive
     survivors = set(fleet.hosts) | set(fleet.spares)
     survivors -= set(victims)
     wait_for(lambda: survivors <= set(fleet.received(new.epoch)), 30, "every survivor to receive the epoch")
+    # A tenth of the members changed: each survivor's stream carried the epoch as a delta from the
+    # one before, and every delta applied to the topology that stream held.
+    assert survivors <= fleet.as_delta.get(new.epoch, set())
+    assert not [t for t in fleet.trouble if "delta" in t], fleet.trouble
     replayed = subprocess.run(
         [sys.executable, "-m", "remesh.cli", "replay", "--coordinator", cluster.address],
         capture_output=True, text=True, timeout=60, env={**os.environ, **cluster.client_env()},

@@ -91,6 +91,9 @@ def test_agents_and_trainers_publish_what_they_do_and_a_killed_trainer_is_counte
     assert value(samples, "remesh_agent_epoch", **me) == 1
     assert value(samples, "remesh_agent_rank", **me) in (0, 1)
     assert value(samples, "remesh_agent_registrations_total", **me) == 1
+    # The stream's first topology and the job's first epoch name every member: both come whole.
+    assert (value(samples, "remesh_agent_topologies_total", **me, sent_as="whole") or 0) >= 1
+    assert (value(samples, "remesh_agent_topologies_total", **me, sent_as="delta") or 0) == 0
     assert value(samples, "remesh_agent_trainer_starts_total", **me, role="active") == 1
     assert value(samples, "remesh_trainer_restores_total", **me, source="stand-in") == 1
     assert (value(samples, "remesh_agent_coordinator_call_seconds_count", **me, method="Register") or 0) >= 1

@@ -49,6 +49,7 @@ from remesh.v1 import agent_pb2 as apb
 from remesh.v1 import agent_pb2_grpc as apb_grpc
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
+from remesh.v1 import deltas
 from remesh.v1.contract import FINISHED_METADATA, Env, TrainerAssignment, commits_of, rank_of, recovery_id
 
 __all__ = ["Agent", "AgentExit"]
@@ -327,6 +328,8 @@ class Agent:
             self.metrics.connected.set(0)
 
     async def _read_stream(self, call: Any, silence: float) -> None:
+        # The topology this stream sent last: a delta on it is a difference from that one.
+        held: pb.Topology | None = None
         while True:
             try:
                 message = await asyncio.wait_for(call.read(), silence)
@@ -343,7 +346,17 @@ class Agent:
                     max(0.0, time.monotonic() - message.echo - message.echo_held_s)
                 )
             if message.HasField("topology"):
-                await self._on_topology(message.topology)
+                held = message.topology
+                await self._on_topology(held, "whole")
+            elif message.HasField("topology_delta"):
+                try:
+                    held = deltas.apply(held or pb.Topology(), message.topology_delta)
+                except deltas.DeltaMismatch as exc:
+                    call.cancel()
+                    raise _StreamEnded(
+                        f"the heartbeat stream is out of step ({exc}); starting it again"
+                    ) from None
+                await self._on_topology(held, "delta")
             if message.command == pb.COMMAND_REREGISTER:
                 raise _Reregister(message.reason)
             if message.command == pb.COMMAND_DRAIN:
@@ -374,6 +387,7 @@ class Agent:
                 step=self.last_step,
                 trainer_status=self._trainer_status(),
                 probe=time.monotonic(),  # echoed in a keepalive: the round trip
+                topology_deltas=True,  # read from the first: new epochs may come as deltas
             )
             self._check_hang()
             with contextlib.suppress(TimeoutError):
@@ -451,7 +465,10 @@ class Agent:
             )
             trainer.kill_hung()
 
-    async def _on_topology(self, topology: pb.Topology) -> None:
+    async def _on_topology(self, topology: pb.Topology, sent_as: str) -> None:
+        """A topology arrived on the heartbeat stream, ``sent_as`` "whole" or as a "delta" from the
+        one before it."""
+        self.metrics.topology_received(sent_as)
         if topology.epoch < self.topology.epoch:
             return  # stale: the agent keeps the newer topology it has (the core says so too)
         trainer = self.trainer
@@ -482,6 +499,7 @@ class Agent:
             rank=rank,
             world_size=len(topology.members),
             reason=topology.reason,
+            sent_as=sent_as,
         )
         if decision.do is Do.STOP_ALL_AND_EXIT:
             await self._stop_trainer("job halted", warm_too=True)

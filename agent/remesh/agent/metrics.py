@@ -64,6 +64,13 @@ class AgentMetrics:
             [*names, "cause"],
             registry=r,
         )
+        self.topologies = Counter(
+            "remesh_agent_topologies",
+            "Topologies received on the heartbeat stream, by how they were sent (whole, or as a delta "
+            "from the one before)",
+            [*names, "sent_as"],
+            registry=r,
+        )
         # Families with only the host and job labels are used through their one child.
         labels = self._labels
         self.registrations = Counter(
@@ -138,6 +145,9 @@ class AgentMetrics:
 
     def trainer_started(self, role: str) -> None:
         self.trainer_starts.labels(**self._labels, role=role).inc()
+
+    def topology_received(self, sent_as: str) -> None:
+        self.topologies.labels(**self._labels, sent_as=sent_as).inc()
 
     def trainer_exited(self, cause: str, active: bool) -> None:
         self.trainer_exits.labels(**self._labels, cause=cause).inc()

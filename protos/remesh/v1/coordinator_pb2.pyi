@@ -175,6 +175,20 @@ class Topology(_message.Message):
     commits: _containers.RepeatedCompositeFieldContainer[CheckpointCommit]
     def __init__(self, epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[TopologyMember, _Mapping]]] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., jax_coordinator_address: _Optional[str] = ..., restore_step: _Optional[int] = ..., reason: _Optional[str] = ..., created_at: _Optional[float] = ..., halted: _Optional[bool] = ..., job_id: _Optional[str] = ..., commits: _Optional[_Iterable[_Union[CheckpointCommit, _Mapping]]] = ...) -> None: ...
 
+class TopologyDelta(_message.Message):
+    __slots__ = ("base_epoch", "topology", "removed", "changed", "member_count")
+    BASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_COUNT_FIELD_NUMBER: _ClassVar[int]
+    base_epoch: int
+    topology: Topology
+    removed: _containers.RepeatedScalarFieldContainer[str]
+    changed: _containers.RepeatedCompositeFieldContainer[TopologyMember]
+    member_count: int
+    def __init__(self, base_epoch: _Optional[int] = ..., topology: _Optional[_Union[Topology, _Mapping]] = ..., removed: _Optional[_Iterable[str]] = ..., changed: _Optional[_Iterable[_Union[TopologyMember, _Mapping]]] = ..., member_count: _Optional[int] = ...) -> None: ...
+
 class CheckpointCommit(_message.Message):
     __slots__ = ("step", "epoch")
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -239,32 +253,36 @@ class RegisterResponse(_message.Message):
     def __init__(self, member: _Optional[_Union[Member, _Mapping]] = ..., topology: _Optional[_Union[Topology, _Mapping]] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("host_id", "incarnation", "step", "trainer_status", "probe")
+    __slots__ = ("host_id", "incarnation", "step", "trainer_status", "probe", "topology_deltas")
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TRAINER_STATUS_FIELD_NUMBER: _ClassVar[int]
     PROBE_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_DELTAS_FIELD_NUMBER: _ClassVar[int]
     host_id: str
     incarnation: int
     step: int
     trainer_status: TrainerStatus
     probe: float
-    def __init__(self, host_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., step: _Optional[int] = ..., trainer_status: _Optional[_Union[TrainerStatus, str]] = ..., probe: _Optional[float] = ...) -> None: ...
+    topology_deltas: bool
+    def __init__(self, host_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., step: _Optional[int] = ..., trainer_status: _Optional[_Union[TrainerStatus, str]] = ..., probe: _Optional[float] = ..., topology_deltas: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("topology", "command", "reason", "echo", "echo_held_s")
+    __slots__ = ("topology", "command", "reason", "echo", "echo_held_s", "topology_delta")
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     COMMAND_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     ECHO_FIELD_NUMBER: _ClassVar[int]
     ECHO_HELD_S_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_DELTA_FIELD_NUMBER: _ClassVar[int]
     topology: Topology
     command: Command
     reason: str
     echo: float
     echo_held_s: float
-    def __init__(self, topology: _Optional[_Union[Topology, _Mapping]] = ..., command: _Optional[_Union[Command, str]] = ..., reason: _Optional[str] = ..., echo: _Optional[float] = ..., echo_held_s: _Optional[float] = ...) -> None: ...
+    topology_delta: TopologyDelta
+    def __init__(self, topology: _Optional[_Union[Topology, _Mapping]] = ..., command: _Optional[_Union[Command, str]] = ..., reason: _Optional[str] = ..., echo: _Optional[float] = ..., echo_held_s: _Optional[float] = ..., topology_delta: _Optional[_Union[TopologyDelta, _Mapping]] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("host_id", "incarnation", "reason")

@@ -50,6 +50,7 @@ from remesh.coordinator.settings import Settings
 from remesh.coordinator.store import RedisStore
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
+from remesh.v1 import deltas
 from remesh.v1.contract import FINISHED_METADATA, LEADER_METADATA
 from remesh.v1.security import Tls
 
@@ -70,6 +71,9 @@ _STATUS: list[tuple[type[CoordinatorError], grpc.StatusCode]] = [
     (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
 ]
+# Topologies kept encoded for heartbeat streams (and their deltas): a stream further behind than
+# this gets its next topology whole.
+_EPOCHS_ENCODED = 4
 _COMMANDS = {
     "reregister": pb.COMMAND_REREGISTER,
     "drain": pb.COMMAND_DRAIN,
@@ -107,6 +111,28 @@ async def _answer(context: grpc.aio.ServicerContext, call: Awaitable[T]) -> T:
     except CoordinatorError as exc:
         await _abort(context, exc)
         raise AssertionError("unreachable") from exc  # abort always raises
+
+
+@dataclass
+class _Encoded:
+    """One epoch's heartbeat reply, encoded once for every stream: whole, and as a delta from each
+    topology a stream held before it (None where the whole one is sent instead)."""
+
+    topology: Topology | None
+    message: pb.Topology
+    whole: bytes
+    deltas: dict[int, tuple[pb.Topology, bytes | None]]
+
+    def reply(self, base: pb.Topology | None) -> bytes:
+        """The reply for a stream that last sent ``base`` (None: it takes whole topologies)."""
+        if base is None or not 0 < base.epoch < self.message.epoch:
+            return self.whole
+        cached = self.deltas.get(base.epoch)
+        if cached is None or cached[0] is not base:
+            d = deltas.delta(base, self.message)
+            encoded = None if d is None else pb.HeartbeatResponse(topology_delta=d).SerializeToString()
+            cached = self.deltas[base.epoch] = (base, encoded)
+        return cached[1] or self.whole
 
 
 @dataclass
@@ -259,8 +285,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         # One Redis reader for every follower of the event log.
         self.feed = EventFeed(coordinator.store)
         self._stream_limit = StreamLimit(streams_per_caller)
-        # The last topology sent on heartbeat streams: (epoch, the topology, its encoded reply).
-        self._encoded: tuple[int, Topology | None, bytes] = (-2, None, b"")
+        # The newest topologies sent on heartbeat streams, by epoch, encoded.
+        self._encoded: dict[int, _Encoded] = {}
 
     async def Register(
         self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext
@@ -301,8 +327,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         next_topology = asyncio.ensure_future(anext(topologies))
         next_command = asyncio.ensure_future(stream.commands.get())
         keepalive = self._c.settings.ha.keepalive_s
+        # The topology sent last on this stream: a later one goes as a delta from it when the agent
+        # applies deltas, whole otherwise.
+        sent = self._encode(self._c.state.topology)
         try:
-            yield self._topology_message(self._c.state.topology)
+            yield sent.whole
             while True:
                 done, _ = await asyncio.wait(
                     {next_topology, next_command, reader},
@@ -315,7 +344,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     yield probe.echo()
                     continue
                 if next_topology in done:
-                    yield self._topology_message(next_topology.result())
+                    encoded = self._encode(next_topology.result())
+                    yield encoded.reply(sent.message if first.topology_deltas else None)
+                    sent = encoded
                     next_topology = asyncio.ensure_future(anext(topologies))
                 if next_command in done:
                     command, reason = next_command.result()
@@ -342,14 +373,18 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 await topologies.aclose()  # type: ignore[attr-defined]
             self._c.detach_stream(stream)
 
-    def _topology_message(self, topology: Topology | None) -> bytes:
+    def _encode(self, topology: Topology | None) -> _Encoded:
         """The heartbeat reply carrying ``topology``, encoded once per epoch for every stream: a new
         epoch of N members goes to N agents, and encoding it for each was N x N work."""
         key = topology.epoch if topology is not None else -1
-        if self._encoded[0] != key or self._encoded[1] is not topology:
-            reply = pb.HeartbeatResponse(topology=convert.topology_to_pb(topology))
-            self._encoded = (key, topology, reply.SerializeToString())
-        return self._encoded[2]
+        encoded = self._encoded.get(key)
+        if encoded is None or encoded.topology is not topology:
+            message = convert.topology_to_pb(topology)
+            whole = pb.HeartbeatResponse(topology=message).SerializeToString()
+            encoded = self._encoded[key] = _Encoded(topology, message, whole, {})
+            while len(self._encoded) > _EPOCHS_ENCODED:
+                del self._encoded[min(self._encoded)]
+        return encoded
 
     async def _read(
         self, requests: AsyncIterator[pb.HeartbeatRequest], first: pb.HeartbeatRequest, probe: _Probe
