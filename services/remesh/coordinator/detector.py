@@ -133,14 +133,14 @@ def judge_stalls(
     topology = state.topology
     if topology is None or topology.halted or state.finished:
         return []
-    members = topology.host_ids
     blocked = {
         h: s
         for h, s in stalls.items()
-        if h in members and s.epoch == topology.epoch and steps.get(h, -1) <= s.step
+        if h in topology.host_set and s.epoch == topology.epoch and steps.get(h, -1) <= s.step
     }
     if not blocked:
         return []
+    members = topology.host_ids
     waited = now - min(s.at for s in blocked.values())
     if waited < settings.stall_verdict_s:
         return []

@@ -243,7 +243,7 @@ def register(
         room = _forget(now, state, gone, f"room for {host_id} under the limit of {max_members} members")
         state = replay(room, state)
     incarnation = old.incarnation + 1 if old else state.incarnation_floor + 1
-    in_topology = state.topology is not None and host_id in state.topology.host_ids
+    in_topology = state.topology is not None and host_id in state.topology.host_set
     if old is not None and in_topology and old.state.is_up:
         # The same host came back before anyone judged it (a coordinator restart, a reconnect): it
         # keeps its rank, so the epoch does not change.
@@ -366,7 +366,7 @@ def report_fault(
         raise InvalidRequest(f"epoch {epoch} was never published (current {state.epoch})")
     details = FaultDetails(kind.value, epoch, exit_code, detail)
     topology = state.topology
-    in_topology = topology is not None and host_id in topology.host_ids
+    in_topology = topology is not None and host_id in topology.host_set
     rank0 = topology.host_ids[0] if topology is not None and topology.host_ids else None
     failing = (
         [h for h in topology.host_ids if h != host_id and state.members[h].state is not MemberState.ALIVE]
@@ -492,7 +492,7 @@ def ack_epoch(
         raise Rejected("there is no running topology to acknowledge")
     if epoch != topology.epoch:
         raise Rejected(f"stale epoch {epoch}: the current epoch is {topology.epoch}; acknowledge that one")
-    if host_id not in topology.host_ids:
+    if host_id not in topology.host_set:
         raise Rejected(f"{host_id} is not a member of epoch {epoch}")
     if state.acks.get(host_id) == epoch:
         return [], state.live_epoch >= epoch
@@ -514,8 +514,10 @@ def ack_epoch(
             details=details,
         )
     ]
-    acked = {*(h for h, e in state.acks.items() if e == epoch), host_id}
-    live = acked >= set(topology.host_ids)
+    # Only members of the epoch acknowledge it (above), each once: it is live at the last of them.
+    members = topology.host_set
+    acked = sum(1 for h, e in state.acks.items() if e == epoch and h in members) + 1
+    live = acked == len(members)
     if live:
         events.append(
             Event(EventType.EPOCH_LIVE, now, epoch, f"all {topology.world_size} members run epoch {epoch}")
@@ -534,7 +536,7 @@ def _in_current_epoch(state: ClusterState, member: Member, epoch: int, what: str
         raise Rejected(
             f"stale epoch {epoch}: epoch {topology.epoch} is current; a member of an older epoch cannot {what}"
         )
-    if member.host_id not in topology.host_ids:
+    if member.host_id not in topology.host_set:
         raise Rejected(f"{member.host_id} is not a member of epoch {epoch}: it cannot {what}")
 
 

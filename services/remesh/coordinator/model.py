@@ -8,6 +8,7 @@ topology events carry the full new record, so the fold needs no other input.
 from __future__ import annotations
 
 import enum
+import functools
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
@@ -165,9 +166,15 @@ class Topology:
     def world_size(self) -> int:
         return len(self.members)
 
-    @property
+    # Computed once per topology (it never changes): every acknowledgement, plan and detector tick
+    # asks, and at thousands of members each answer was a walk of the list.
+    @functools.cached_property
     def host_ids(self) -> tuple[str, ...]:
         return tuple(m.host_id for m in self.members)
+
+    @functools.cached_property
+    def host_set(self) -> frozenset[str]:
+        return frozenset(self.host_ids)
 
     def rank_of(self, host_id: str) -> int:
         for m in self.members:

@@ -116,6 +116,11 @@ class _Queued:
     answer: asyncio.Future[Any]
 
 
+# Events that change nothing the planner reads (members, topology, faults, commits, the finish):
+# a commit of only these after a settled plan is not planned again.
+_PLAN_NEUTRAL = frozenset({EventType.EPOCH_ACKED, EventType.EPOCH_LIVE})
+
+
 class Coordinator:
     def __init__(self, settings: Settings, store: RedisStore, *, clock: Clock = time.time) -> None:
         self.settings = settings
@@ -139,6 +144,12 @@ class Coordinator:
         # Whether the last plan was held or is waiting: the detector plans again each tick until not.
         # True at start: what was stored may be mid-burst.
         self._replan = True
+        # The state the planner last found nothing to do for (None: not planned yet). A commit of
+        # only acknowledgements on it needs no plan: they change nothing a plan reads, and at 2000
+        # hosts a new epoch is 2000 of them, each batch a sort of every member otherwise.
+        self._settled: ClusterState | None = None
+        # The members mapping the member gauges were last counted from.
+        self._gauged_members: Mapping[str, Member] | None = None
         # Changes waiting for the next batch commit, and the task that commits them (``_batched``).
         self._queue: list[_Queued] = []
         # The events goodput is computed from (and the log's first), kept as they are published; None
@@ -151,7 +162,10 @@ class Coordinator:
         self._epoch_reached = -1
         self._goodput_at = 0.0
         self._queue_writer: asyncio.Task[None] | None = None
-        self._topology_changed = asyncio.Condition()
+        # Set (and replaced by a fresh one) when the topology may have changed: every watcher (a
+        # heartbeat stream each) wakes at once. A Condition woke them one after another, each
+        # taking its lock in turn: 2000 streams were a chain of 2000 loop iterations per epoch.
+        self._topology_changed = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._store_down = False
         self._plan_log = _ChangeLogger()
@@ -253,8 +267,7 @@ class Coordinator:
             reason=f"took the lease; every member has {self.settings.detector.failover_grace_s}s "
             "to report before anyone is judged",
         )
-        async with self._topology_changed:
-            self._topology_changed.notify_all()
+        self._topology_may_have_changed()
 
     def _step_down(self, reason: str) -> None:
         if not self.leadership.stepped_down(reason):
@@ -272,8 +285,7 @@ class Coordinator:
         self._steps = await self.store.read_progress()
         self._update_gauges()
         if self.state.epoch != epoch:
-            async with self._topology_changed:
-                self._topology_changed.notify_all()
+            self._topology_may_have_changed()
 
     async def observe(self) -> ClusterState:
         """The state to answer a read with: a follower reads it from Redis, the leader has it."""
@@ -309,18 +321,24 @@ class Coordinator:
                     raise self.not_leader()
                 now = self._clock()
                 events, answer = transition(self.state, now)
-                after = replay(events, self.state)
-                decision = plan(now, after, self._steps, self.settings.planner, self._epoch_reached)
-                # Held (a burst being collected) or waiting for a replacement: the clock alone will
-                # change the plan, so the detector asks again on every tick until it does.
-                self._replan = decision.kind in (Kind.HOLD, Kind.WAIT) or after.waiting_since is not None
-                self._plan_log(
-                    "planner", decision=decision.kind.value, reason=decision.reason, epoch=after.epoch
-                )
-                events = events + plan_events(
-                    now, after, decision, self.settings.planner, self.settings.job_id
-                )
+                planned: list[Event] = []
+                if not (
+                    self.state is self._settled
+                    and not self._replan
+                    and all(e.type in _PLAN_NEUTRAL for e in events)
+                ):
+                    after = replay(events, self.state)
+                    decision = plan(now, after, self._steps, self.settings.planner, self._epoch_reached)
+                    # Held (a burst being collected) or waiting for a replacement: the clock alone
+                    # will change the plan, so the detector asks again on every tick until it does.
+                    self._replan = decision.kind in (Kind.HOLD, Kind.WAIT) or after.waiting_since is not None
+                    self._plan_log(
+                        "planner", decision=decision.kind.value, reason=decision.reason, epoch=after.epoch
+                    )
+                    planned = plan_events(now, after, decision, self.settings.planner, self.settings.job_id)
+                events = events + planned
                 if not events:
+                    self._settled = self.state
                     return [], answer
                 try:
                     self.state, stored = await self.store.commit(self._rev, self.state, events)
@@ -337,6 +355,8 @@ class Coordinator:
                     self.metrics.store_errors.inc()
                     raise
                 self._rev += 1
+                # A new topology is planned again by the next change; anything else was planned here.
+                self._settled = None if planned else self.state
                 await self._published(stored, now)
                 return stored, answer
             raise Conflict("the store kept changing under the coordinator; retry")
@@ -380,8 +400,7 @@ class Coordinator:
                     stream.commands.put_nowait(("finished", event.reason))
         if any(e.type in (EventType.TOPOLOGY_CHANGED, EventType.JOB_HALTED) for e in events):
             self._stalls = {}
-            async with self._topology_changed:
-                self._topology_changed.notify_all()
+            self._topology_may_have_changed()
         self._update_gauges()
 
     def _send(self, host_id: str, incarnation: int, command: str, reason: str) -> None:
@@ -393,7 +412,9 @@ class Coordinator:
         return [stream for streams in self._streams.values() for stream in streams]
 
     def _update_gauges(self) -> None:
-        self.metrics.set_members(Counter(m.state for m in self.state.members.values()))
+        if self.state.members is not self._gauged_members:  # acknowledgements change no member
+            self._gauged_members = self.state.members
+            self.metrics.set_members(Counter(m.state for m in self.state.members.values()))
         self.metrics.epoch.set(self.state.epoch)
         topology = self.state.topology
         self.metrics.world_size.set(topology.world_size if topology else 0)
@@ -787,14 +808,16 @@ class Coordinator:
     def member_step(self, host_id: str) -> int:
         return self._steps.get(host_id, -1)
 
-    async def _newer_topology(self, epoch: int) -> Topology:
-        def newer() -> bool:
-            return self.state.topology is not None and self.state.topology.epoch > epoch
+    def _topology_may_have_changed(self) -> None:
+        changed, self._topology_changed = self._topology_changed, asyncio.Event()
+        changed.set()
 
-        async with self._topology_changed:
-            await self._topology_changed.wait_for(newer)
-        assert self.state.topology is not None
-        return self.state.topology
+    async def _newer_topology(self, epoch: int) -> Topology:
+        while True:
+            topology = self.state.topology
+            if topology is not None and topology.epoch > epoch:
+                return topology
+            await self._topology_changed.wait()
 
     async def watch_topology(self, after_epoch: int = 0) -> AsyncIterator[Topology]:
         """The current topology (if newer than ``after_epoch``), then the newest after each change.

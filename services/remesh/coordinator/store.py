@@ -231,8 +231,13 @@ class RedisStore:
         Returns the new state and the events with their stream ids.
         """
         after = replay(events, before)
+        # Events that name no member (acknowledgements, a new epoch's topology) keep the members
+        # mapping itself: nothing of it to compare, a thousand members or not.
+        same_members = after.members is before.members
         payload: dict[str, Any] = {
-            "members": {
+            "members": {}
+            if same_members
+            else {
                 h: json.dumps(m.to_dict(), sort_keys=True)
                 for h, m in after.members.items()
                 if before.members.get(h) != m
@@ -241,9 +246,9 @@ class RedisStore:
             if after.topology is not None and after.topology != before.topology
             else "",
             "meta": {},
-            "acks": {h: e for h, e in after.acks.items() if before.acks.get(h) != e},
-            "acks_clear": any(h not in after.acks for h in before.acks),
-            "forgotten": [h for h in before.members if h not in after.members],
+            "acks": dict(after.acks.items() - before.acks.items()),
+            "acks_clear": not before.acks.keys() <= after.acks.keys(),
+            "forgotten": [] if same_members else [h for h in before.members if h not in after.members],
             "events": [e.to_json() for e in events],
         }
         if after.waiting_since != before.waiting_since:
