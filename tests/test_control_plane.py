@@ -442,6 +442,27 @@ def test_a_relaunched_host_takes_no_rank_in_the_epoch_that_still_lists_it(cluste
         assert "registered" in cluster.agents[h].output()
 
 
+def test_a_large_fleets_coordinator_sends_fewer_keepalives_and_its_agents_wait_for_them(
+    cluster: Cluster,
+) -> None:
+    """Sized for 3000 hosts the coordinator asks for a heartbeat every 3 s and sends keepalives on
+    idle streams no more often (RegisterResponse says so); an agent then waits four of them (12 s)
+    before it takes the coordinator for lost, instead of its own 2 s, and stays connected."""
+    cluster.start_coordinator("--world-size", "1", "--fleet-size", "3000")
+    reply = cluster.stub_as(Role.HOST, "probe-0").Register(
+        pb.RegisterRequest(host_id="probe-0", role=pb.ROLE_SPARE, device_count=2, address="127.0.0.1"),
+        timeout=5,
+    )
+    assert (reply.heartbeat_interval_s, reply.keepalive_s) == (3.0, 3.0)
+    cluster.start_agent("host-0")
+    cluster.wait_epoch(1)
+    # Longer than the agent's own 2 s of silence, twice over: it never gave up on the coordinator.
+    time.sleep(5.0)
+    assert cluster.members()["host-0"].state == pb.MEMBER_STATE_ALIVE
+    log = cluster.agents["host-0"].output()
+    assert log.count("registered") == 1 and "sent nothing" not in log, log[-3000:]
+
+
 def test_the_last_step_is_stored_before_the_job_is_said_finished(cluster: Cluster) -> None:
     """The heartbeat carrying a member's last step races its Finish call: whoever reads
     ``job_finished`` in the log finds that step in the store anyway, and it stays final."""

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from remesh.coordinator.detector import Liveness, judge
 from remesh.coordinator.liveness import LivenessTable
 from remesh.coordinator.model import ClusterState, Member, MemberState, Role
-from remesh.coordinator.settings import DetectorSettings
+from remesh.coordinator.settings import DetectorSettings, Settings
 
 S = DetectorSettings()  # suspect after 0.3 s, dead after 0.6 s, stream grace 0.1 s, tick 0.025 s
 
@@ -153,13 +153,15 @@ def test_judging_only_the_due_finds_every_verdict_a_full_scan_finds(ops: list[tu
 
 
 @pytest.mark.parametrize(
-    ("hosts", "interval", "timeout"),
-    [(4, 0.1, 0.6), (100, 0.1, 0.6), (1000, 1.0, 6.0), (10_000, 10.0, 60.0)],
+    ("hosts", "interval", "timeout", "keepalive"),
+    [(4, 0.1, 0.6, 0.5), (100, 0.1, 0.6, 0.5), (1000, 1.0, 6.0, 1.0), (10_000, 10.0, 60.0, 10.0)],
 )
-def test_heartbeats_are_spaced_out_for_a_large_fleet_and_the_tick_is_not(
-    hosts: int, interval: float, timeout: float
+def test_heartbeats_and_keepalives_are_spaced_out_for_a_large_fleet_and_the_tick_is_not(
+    hosts: int, interval: float, timeout: float, keepalive: float
 ) -> None:
     d = DetectorSettings().for_fleet(hosts, 1000.0)
     assert (d.heartbeat_interval_s, d.heartbeat_timeout_s) == (interval, timeout)
     assert d.suspect_after_s / d.heartbeat_interval_s == pytest.approx(3.0)
     assert d.tick_s == 0.025  # a broken stream is judged as soon at any size
+    # The coordinator's keepalives on idle streams: no more of them than heartbeats.
+    assert Settings(detector=d).stream_keepalive_s == keepalive

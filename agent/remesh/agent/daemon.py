@@ -100,6 +100,8 @@ class _StreamEnded(Exception):
     stopped answering on it."""
 
 
+# Keepalives a coordinator may miss in a row before the agent takes it for lost.
+_KEEPALIVES_MISSED = 4
 _EOF: Any = getattr(grpc.aio, "EOF")  # noqa: B009 - the type stubs lack it
 
 # How long a call the trainer waits on (acknowledge, commit, finish) keeps trying through a leader
@@ -320,7 +322,9 @@ class Agent:
         self.log.info("registered", role=pb.Role.Name(reply.member.role), epoch=reply.topology.epoch)
         interval = reply.heartbeat_interval_s or 0.1
         call = stub.Heartbeat(self._heartbeats(interval))
-        silence = self.settings.coordinator_silence_s
+        # A coordinator of a large fleet sends keepalives less often (RegisterResponse.keepalive_s):
+        # silent for four of them is lost, as 2 s is at the default 0.5 s.
+        silence = max(self.settings.coordinator_silence_s, _KEEPALIVES_MISSED * reply.keepalive_s)
         self.metrics.connected.set(1)
         try:
             await self._read_stream(call, silence)

@@ -241,16 +241,18 @@ class RegisterRequest(_message.Message):
     def __init__(self, host_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., device_count: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("member", "topology", "heartbeat_interval_s", "heartbeat_timeout_s")
+    __slots__ = ("member", "topology", "heartbeat_interval_s", "heartbeat_timeout_s", "keepalive_s")
     MEMBER_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    KEEPALIVE_S_FIELD_NUMBER: _ClassVar[int]
     member: Member
     topology: Topology
     heartbeat_interval_s: float
     heartbeat_timeout_s: float
-    def __init__(self, member: _Optional[_Union[Member, _Mapping]] = ..., topology: _Optional[_Union[Topology, _Mapping]] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ...) -> None: ...
+    keepalive_s: float
+    def __init__(self, member: _Optional[_Union[Member, _Mapping]] = ..., topology: _Optional[_Union[Topology, _Mapping]] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., keepalive_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("host_id", "incarnation", "step", "trainer_status", "probe", "topology_deltas")

@@ -303,6 +303,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             topology=convert.topology_to_pb(self._c.state.topology),
             heartbeat_interval_s=detector.heartbeat_interval_s,
             heartbeat_timeout_s=detector.heartbeat_timeout_s,
+            keepalive_s=self._c.settings.stream_keepalive_s,
         )
 
     async def Heartbeat(
@@ -326,7 +327,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         topologies = aiter(self._c.watch_topology(self._c.state.epoch))
         next_topology = asyncio.ensure_future(anext(topologies))
         next_command = asyncio.ensure_future(stream.commands.get())
-        keepalive = self._c.settings.ha.keepalive_s
+        keepalive = self._c.settings.stream_keepalive_s
         # The topology sent last on this stream: a later one goes as a delta from it when the agent
         # applies deltas, whole otherwise.
         sent = self._encode(self._c.state.topology)

@@ -152,6 +152,13 @@ class Settings:
     planner: PlannerSettings = field(default_factory=PlannerSettings)
     ha: HaSettings = field(default_factory=HaSettings)
 
+    @property
+    def stream_keepalive_s(self) -> float:
+        """How often an idle heartbeat stream gets a keepalive: ``ha.keepalive_s``, or the heartbeat
+        interval once a large fleet stretched it longer. Keepalives at a fixed 0.5 s were four
+        messages a second per stream, four times the heartbeats themselves at 2000 hosts."""
+        return max(self.ha.keepalive_s, self.detector.heartbeat_interval_s)
+
     @classmethod
     def local(cls, **overrides: object) -> Settings:
         """One machine, loopback: sub-second detection."""
