@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 
 from remesh.elastic import Policy
 from remesh.embedded import RedisServer
+from remesh.v1.contract import COMPILATION_CACHE_ENV
 from tests.procs import Cluster, wait_for
 from tests.test_elastic_e2e import ENV, new_job_id
 
@@ -108,3 +110,13 @@ def test_a_policy_whose_buddy_copies_fall_between_snapshots_is_refused() -> None
     with pytest.raises(ValueError, match="snapshot_every must be >= 1"):
         Policy(snapshot_every=0)
     assert Policy(snapshot_every=3, buddy_every=6).buddy_every == 6
+
+
+def test_the_compilation_cache_is_where_the_environment_says(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv(COMPILATION_CACHE_ENV, raising=False)
+    assert Policy().compilation_cache_dir == str(Path(tempfile.gettempdir()) / "remesh-jax-cache")
+    monkeypatch.setenv(COMPILATION_CACHE_ENV, str(tmp_path / "cache"))
+    assert Policy().compilation_cache_dir == str(tmp_path / "cache")
+    assert Policy(compilation_cache_dir=None).compilation_cache_dir is None  # off, whatever it says

@@ -85,6 +85,7 @@ from remesh.elastic.sharding import (
 from remesh.elastic.snapshots import Snapshots
 from remesh.v1.contract import (
     ADDRESS_IN_USE_EXIT_CODE,
+    COMPILATION_CACHE_ENV,
     RESTART_EXIT_CODE,
     STATE_LOST_EXIT_CODE,
     Env,
@@ -189,9 +190,13 @@ class Policy:
     gather_final: bool = False
     # In-process recoveries before the session asks for a fresh process instead.
     max_in_process_recoveries: int = 50
-    # Persistent XLA compilation cache: a re-initialised process compiles from it.
+    # Persistent XLA compilation cache: a re-initialised process compiles from it. By default
+    # $REMESH_COMPILATION_CACHE_DIR, else remesh-jax-cache in the temporary directory (kept across
+    # runs: a job started again finds its programs compiled).
     compilation_cache_dir: str | None = field(
-        default_factory=lambda: os.path.join(tempfile.gettempdir(), "remesh-jax-cache")
+        default_factory=lambda: (
+            os.environ.get(COMPILATION_CACHE_ENV) or os.path.join(tempfile.gettempdir(), "remesh-jax-cache")
+        )
     )
     # Host-memory snapshots that survive the trainer process (tmpfs); None keeps them in-process only.
     shm_dir: str | None = "/dev/shm" if os.path.isdir("/dev/shm") else None

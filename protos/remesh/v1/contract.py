@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # only the types: the agent's pure core imports this module
 
 __all__ = [
     "ADDRESS_IN_USE_EXIT_CODE",
+    "COMPILATION_CACHE_ENV",
     "FINISHED_METADATA",
     "LEADER_METADATA",
     "RESTART_EXIT_CODE",
@@ -44,6 +45,11 @@ STATE_LOST_EXIT_CODE = 65
 LEADER_METADATA = "remesh-leader"
 # A refusal because the job finished carries its last step under this key.
 FINISHED_METADATA = "remesh-finished"
+
+
+# Where the trainer library keeps its persistent XLA compilation cache, when set in a trainer's
+# environment (by whoever starts the trainers: the demo gives each goodput run its own).
+COMPILATION_CACHE_ENV = "REMESH_COMPILATION_CACHE_DIR"
 
 
 class Env:

@@ -44,6 +44,7 @@ from remesh.embedded import FakeGcsServer, RedisServer
 from remesh.embedded.cluster import LocalCluster
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
+from remesh.v1.contract import COMPILATION_CACHE_ENV
 
 __all__ = ["DemoConfig", "DemoError", "DemoRun", "Schedule", "repo_root"]
 
@@ -117,6 +118,9 @@ class DemoConfig:
     duration_s: float | None = None  # stop at this many seconds of training even before ``steps``
     replace_failed: bool = True
     devices: int = 2
+    # The trainers' XLA compilation cache (REMESH_COMPILATION_CACHE_DIR); None: the machine's
+    # shared one, warm from earlier runs.
+    compile_cache_dir: Path | None = None
     port: int = 0  # the coordinator's gRPC port on 127.0.0.1; 0: any free one
     startup_timeout_s: float = 300.0
     recovery_timeout_s: float = 180.0
@@ -196,6 +200,8 @@ class DemoRun:
             redis_url = self.redis.url
             self.display.note(f"embedded redis-server on {redis_url}")
         self._env = {"PYTHONPATH": str(self.root), "PYTHONUNBUFFERED": "1"}
+        if c.compile_cache_dir is not None:
+            self._env[COMPILATION_CACHE_ENV] = str(c.compile_cache_dir)
         if c.gcs_url:
             self._gcs_url = c.gcs_url.rstrip("/") + f"/{self.job}"
         else:
