@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import urllib.request
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import pytest
 
 from remesh.embedded import RedisServer
 from remesh.v1 import coordinator_pb2 as pb
+from remesh.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.procs import Cluster, hold, wait_for
 
 pytestmark = pytest.mark.integration
@@ -34,6 +37,10 @@ def _formed(cluster: Cluster) -> Cluster:
     cluster.wait_epoch(1)
     wait_for(lambda: any(e.type == pb.EVENT_TYPE_EPOCH_LIVE for e in cluster.events()), 30, "epoch 1 live")
     return cluster
+
+
+# Calls sent at once by the burst test: more than gRPC's default 3000 waiting at most.
+BURST = 4000
 
 
 def snapshot(c: Cluster) -> tuple[object, ...]:
@@ -178,3 +185,20 @@ def test_metrics_bind_where_grpc_listens(listen: str, host: str) -> None:
     from remesh.coordinator.server import listen_host
 
     assert listen_host(listen) == host
+
+
+def test_a_burst_of_calls_past_grpcs_pending_limit_is_served_not_cancelled(running: Cluster) -> None:
+    """A fleet answers a new epoch together: thousands of calls arrive before the server's event loop
+    takes them. gRPC's core cancelled every call beyond 1000 waiting (3000 at once); the coordinator
+    raises those limits to its own concurrency limit, so the burst is served, just later."""
+
+    async def burst() -> list[object]:
+        async with grpc.aio.insecure_channel(running.address) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            calls = [stub.GetTopology(pb.GetTopologyRequest(), timeout=60) for _ in range(BURST)]
+            return await asyncio.gather(*calls, return_exceptions=True)
+
+    results = asyncio.run(burst())
+    failed = Counter(r.code().name for r in results if isinstance(r, grpc.aio.AioRpcError))
+    assert not failed, failed
+    assert all(isinstance(r, pb.Topology) and r.epoch == 1 for r in results)

@@ -610,12 +610,19 @@ async def serve(settings: Settings, tls: Tls | None) -> RunningCoordinator:
     # Agents ping every half second to notice a dead link quickly: allow it, never count strikes.
     # Heartbeat streams are RPCs too (one per agent): room for every member twice (a reconnect's old
     # and new stream) and the operators; past that, gRPC answers RESOURCE_EXHAUSTED at once.
+    # Every member holds a heartbeat stream and may make a call beside it; operators add a few.
+    calls = 2 * settings.max_members + 1024
     server = grpc.aio.server(
-        maximum_concurrent_rpcs=2 * settings.max_members + 1024,
+        maximum_concurrent_rpcs=calls,
         options=[
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 100),
             ("grpc.http2.max_ping_strikes", 0),
             ("grpc.keepalive_permit_without_calls", 1),
+            # gRPC's core cancels calls that arrive while more than 1000 (3000 at once) wait for the
+            # server to take them: a fleet acknowledging a new epoch together got CANCELLED answers
+            # (the event loop takes one call at a time). Calls wait for the loop instead.
+            ("grpc.server.max_pending_requests", calls),
+            ("grpc.server.max_pending_requests_hard_limit", calls),
         ],
     )
     servicer = CoordinatorServicer(coordinator, Authorizer(coordinator.metrics, secure=tls is not None))
