@@ -296,3 +296,38 @@ def test_a_host_lost_a_moment_ago_is_not_preferred_to_a_real_spare() -> None:
     assert decision.kind is Kind.REPLACE
     assert decision.hosts == ("a0", "z-spare", "a2")
     assert "a1 lost, registered again since as a spare" in decision.reason
+
+
+def test_a_burst_that_reaches_the_coordinator_over_seconds_is_still_one_epoch() -> None:
+    """Thousands of hosts lost at once reach the coordinator over seconds: 40 of 80 here, one every
+    50 ms (2 s in all, four times the suspect hold). While the losses keep coming the burst is held;
+    once burst_window_s passes without one, every loss goes into one epoch."""
+    hosts = tuple(f"a{i}" for i in range(80))
+    spares = tuple(f"s{i}" for i in range(40))
+    settings = PlannerSettings(world_size=80, suspect_hold_s=0.5, burst_window_s=0.1, burst_max_s=5.0)
+    state = job(hosts, spares=spares)
+    first = state.epoch
+    for i, host in enumerate(hosts[::2]):
+        now = NOW + i * 0.05
+        for verdict in (SUSPECT, DEAD):
+            state = replay(membership.declare(now, state, host, 1, verdict, "stream broke"), state)
+        decision = plan(now, state, {}, settings)
+        assert decision.kind is Kind.HOLD, (i, decision.reason)
+    quiet = NOW + 39 * 0.05 + 0.15  # a tick after the window passed without a loss
+    state = replay(plan_events(quiet, state, plan(quiet, state, {}, settings), settings), state)
+    assert state.epoch == first + 1
+    assert state.topology is not None and not set(hosts[::2]) & set(state.topology.host_ids)
+
+
+def test_a_burst_that_never_stops_is_planned_at_its_bound() -> None:
+    """Losses every 50 ms without end: the plan waits burst_max_s from the first loss, no longer."""
+    hosts = tuple(f"a{i}" for i in range(40))
+    settings = PlannerSettings(world_size=40, suspect_hold_s=0.5, burst_window_s=0.1, burst_max_s=1.0)
+    state = job(hosts, spares=tuple(f"s{i}" for i in range(40)))
+    kinds = []
+    for i, host in enumerate(hosts[:30]):
+        now = NOW + i * 0.05
+        state = replay(membership.declare(now, state, host, 1, DEAD, "stream broke"), state)
+        kinds.append(plan(now, state, {}, settings).kind)
+    assert kinds[:20] == [Kind.HOLD] * 20  # up to 0.95 s after the first loss
+    assert kinds[20] is not Kind.HOLD  # 1.0 s: planned, the burst still going

@@ -11,8 +11,9 @@ decides one of:
 - GROW     nothing lost, the job runs below its target size and spares are up.
 - READDRESS nothing lost, but rank 0 found the epoch's JAX coordination port taken: the same
            members in a new epoch (whose port differs).
-- HOLD     members are lost: the plan waits ``settings.burst_window_s`` after the first loss for
-           the rest of a burst, and while others of the topology are suspect (their verdicts are
+- HOLD     members are lost: the plan waits until ``settings.burst_window_s`` passed without
+           another loss or suspicion (at most ``settings.burst_max_s`` from the first), for the rest
+           of a burst however long it spreads, and while others of the topology are suspect (their verdicts are
            near: dead, or refuted by a heartbeat) up to ``settings.suspect_hold_s``, so a correlated
            failure becomes one epoch instead of one per host.
 - WAIT     below the minimum size: wait (a JOB_WAITING event marks the start) up to a bound.
@@ -154,9 +155,13 @@ def plan(
         # the topology are suspect (their verdict is near) up to a longer bound.
         held = now - min(state.members[h].updated_at for h in lost)
         suspects = [h for h in survivors if state.members[h].state is MemberState.SUSPECT]
-        if held < settings.burst_window_s:
+        # The burst's newest loss or suspicion: while they keep coming, the burst is not over.
+        quiet = now - max(state.members[h].updated_at for h in (*lost, *suspects))
+        if quiet < settings.burst_window_s and held < max(settings.burst_max_s, settings.burst_window_s):
             return Decision(
-                Kind.HOLD, f"{', '.join(lost)} lost: collecting the burst for {settings.burst_window_s:g}s"
+                Kind.HOLD,
+                f"{', '.join(lost)} lost: collecting the burst until {settings.burst_window_s:g}s pass "
+                f"without another loss (at most {settings.burst_max_s:g}s)",
             )
         if suspects and held < settings.suspect_hold_s:
             return Decision(

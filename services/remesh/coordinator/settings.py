@@ -86,6 +86,11 @@ class PlannerSettings:
     # are seen apart by up to ~0.15 s on a loaded 2-core machine (each death arrives over its own
     # connection; the soak split 2 of 12 two-host bursts with no window). Costs every recovery this.
     burst_window_s: float = 0.15
+    # A burst still growing (each loss or suspicion within burst_window_s of the one before) is held
+    # until it stops, up to this long from its first loss. Thousands of hosts lost together reach the
+    # coordinator over seconds (450 of 5000 made two epochs with a fixed hold); a lone failure still
+    # waits only burst_window_s.
+    burst_max_s: float = 5.0
 
     def jax_port(self, job_id: str, epoch: int) -> int:
         return self.jax_port_base + (zlib.crc32(job_id.encode()) + epoch) % self.jax_port_span
