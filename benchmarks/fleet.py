@@ -157,11 +157,11 @@ class SimAgent:
                     member = True
             if topology is not None:
                 epoch = topology.epoch
-            if topology is not None and topology.epoch:
+            if epoch and topology is not None:
                 whole = message.HasField("topology")
-                _emit({"host": self.host_id, "epoch": topology.epoch, "t": time.time(), "whole": whole})
+                _emit({"host": self.host_id, "epoch": epoch, "t": time.time(), "whole": whole})
                 if member and self.speaking.is_set():  # a silent host acknowledges nothing
-                    ack = asyncio.create_task(self._ack(stub, incarnation, topology.epoch))
+                    ack = asyncio.create_task(self._ack(stub, incarnation, epoch))
                     self._acks.add(ack)
                     ack.add_done_callback(self._acks.discard)
             if message.command in (pb.COMMAND_REREGISTER, pb.COMMAND_DRAIN):

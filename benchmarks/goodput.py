@@ -11,7 +11,8 @@ program once at start-up and read it back from that cache on every recovery or r
 Goodput is productive training time (steps whose result survives) over wall time, as Google's
 ml-goodput-measurement defines it. Two figures: over the whole run, and after start-up (from the
 first training step: the job's one-time start on this machine's 2 cores, its services, agents
-and JAX trainers and the first compile, which both modes pay once, left out). Badput is broken down by category (see remesh.demo.report).
+and JAX trainers and the first compile, which both modes pay once, left out). Badput is broken
+down by category (see remesh.demo.report).
 
     python benchmarks/goodput.py [--duration 240] [--mtbf 60,30] [--seed 1]
 
@@ -46,8 +47,7 @@ def run_one(mode: str, mtbf: float, args: argparse.Namespace, out: Path) -> dict
         mode=mode,
         out=out,
         # Each run compiles from an empty cache of its own: with the machine's shared one, whichever
-        # mode ran first paid the compile the other read back (in place started in 13.4 s against
-        # 5.5 s that way; 6.5 s against 5.4 s with both warm).
+        # mode ran first paid the compile the other read back (README: "Each run compiles").
         compile_cache_dir=out / "jax-cache",
     )
     console = Console(stderr=True, highlight=False)

@@ -13,9 +13,9 @@ decides one of:
            members in a new epoch (whose port differs).
 - HOLD     members are lost: the plan waits until ``settings.burst_window_s`` passed without
            another loss or suspicion (at most ``settings.burst_max_s`` from the first), for the rest
-           of a burst however long it spreads, and while others of the topology are suspect (their verdicts are
-           near: dead, or refuted by a heartbeat) up to ``settings.suspect_hold_s``, so a correlated
-           failure becomes one epoch instead of one per host.
+           of a burst however long it spreads, and while others of the topology are suspect (their
+           verdicts are near: dead, or refuted by a heartbeat) up to ``settings.suspect_hold_s``, so
+           a correlated failure becomes one epoch instead of one per host.
 - WAIT     below the minimum size: wait (a JOB_WAITING event marks the start) up to a bound.
 - HALT     the wait ran out: a final, empty topology with the reason.
 - NONE     nothing to do.

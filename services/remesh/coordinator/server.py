@@ -610,7 +610,6 @@ async def serve(settings: Settings, tls: Tls | None) -> RunningCoordinator:
     # Agents ping every half second to notice a dead link quickly: allow it, never count strikes.
     # Heartbeat streams are RPCs too (one per agent): room for every member twice (a reconnect's old
     # and new stream) and the operators; past that, gRPC answers RESOURCE_EXHAUSTED at once.
-    # Every member holds a heartbeat stream and may make a call beside it; operators add a few.
     calls = 2 * settings.max_members + 1024
     server = grpc.aio.server(
         maximum_concurrent_rpcs=calls,
