@@ -66,8 +66,17 @@ def _emit(doc: dict[str, Any]) -> None:
 
 
 class SimAgent:
-    def __init__(self, host_id: str, spare: bool, address: str, tls: Tls | None, beats: list[int]) -> None:
+    def __init__(
+        self,
+        host_id: str,
+        spare: bool,
+        address: str,
+        tls: Tls | None,
+        beats: list[int],
+        ack_delay_s: float = 0.0,
+    ) -> None:
         self.host_id = host_id
+        self.ack_delay_s = ack_delay_s
         self.spare = spare
         self.address = address
         self.tls = tls
@@ -172,8 +181,13 @@ class SimAgent:
                 return
 
     async def _ack(self, stub: pb_grpc.CoordinatorStub, incarnation: int, epoch: int) -> None:
-        """As a trainer does (through its agent): retried while the coordinator is busy or away; a
-        refusal (the epoch is no longer current) ends it."""
+        """As a trainer does (through its agent): once it has re-meshed (``ack_delay_s`` to twice
+        that, drawn per epoch), retried while the coordinator is busy or away; a refusal (the epoch is
+        no longer current) ends it."""
+        if self.ack_delay_s > 0:
+            await asyncio.sleep(self.ack_delay_s * (1.0 + random.random()))
+            if self.crashed or not self.speaking.is_set():
+                return
         request = pb.AckEpochRequest(
             host_id=self.host_id, incarnation=incarnation, epoch=epoch, restored_step=-1, restore_source="sim"
         )
@@ -205,6 +219,7 @@ async def _simulate(args: argparse.Namespace) -> None:
             args.coordinator,
             Tls(pki / "ca.pem", pki / f"host-{h}.pem", pki / f"host-{h}-key.pem") if pki else None,
             beats,
+            args.ack_delay,
         )
         for h in hosts
     }
@@ -257,6 +272,8 @@ class Fleet:
     processes: int = 2
     pki: Any = None
     start_spread_s: float = 2.0
+    # How long a simulated trainer takes to re-mesh before it acknowledges an epoch (0: at once).
+    ack_delay_s: float = 0.0
     arrivals: dict[int, dict[str, float]] = field(default_factory=dict)
     # The agents that received each epoch as a delta from the one before.
     as_delta: dict[int, set[str]] = field(default_factory=dict)
@@ -284,7 +301,7 @@ class Fleet:
             args = [
                 sys.executable, str(Path(__file__).resolve()), "--coordinator", self.coordinator,
                 "--hosts", ",".join(shard), "--spares", ",".join(h for h in shard if h in set(self.spares)),
-                "--start-spread", str(self.start_spread_s),
+                "--start-spread", str(self.start_spread_s), "--ack-delay", str(self.ack_delay_s),
             ]  # fmt: skip
             if self.pki is not None:
                 args += ["--pki", str(self.pki.directory)]
@@ -390,6 +407,12 @@ def main() -> int:
         "--pki", default="", help="directory of a `remesh certs` CA with host-<id> certificates"
     )
     parser.add_argument("--start-spread", type=float, default=2.0, help="seconds over which agents start")
+    parser.add_argument(
+        "--ack-delay",
+        type=float,
+        default=0.0,
+        help="seconds (to twice that) an agent's trainer takes to re-mesh before it acknowledges an epoch",
+    )
     args = parser.parse_args()
     os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     asyncio.run(_simulate(args))

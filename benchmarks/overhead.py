@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import socket
 import statistics
 import subprocess
@@ -29,13 +30,14 @@ from pathlib import Path
 from remesh.cli.logs import configure_logging
 from remesh.elastic import Policy
 from remesh.embedded import RedisServer
-from remesh.embedded.cluster import LocalCluster, wait_for
+from remesh.embedded.cluster import LocalCluster, descendants, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.recovery import d_model_for, state_bytes  # noqa: E402  (sized as the recovery benchmark)
 
 ENV = {"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def progress(message: str) -> None:
@@ -58,14 +60,48 @@ def step_times(metrics: Path, warmup: int) -> list[float]:
     return [times[s] - times[s - 1] for s in steps if s - 1 in times]
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """CPU time ``pid`` has used (user + system), None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def children_cpu() -> float:
+    """CPU time of this process's children that have been waited for, theirs included."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+class CpuWatch:
+    """The newest CPU time seen of each process watched, by kind: sampled while the run goes on, so
+    processes that exit in its course (the trainers) still count, to within one sample."""
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple[str, int], float] = {}
+
+    def sample(self, pids: dict[int, str]) -> None:
+        for pid, kind in pids.items():
+            cpu = cpu_seconds(pid)
+            if cpu is not None:
+                self.seen[(kind, pid)] = cpu
+
+    def total(self, kind: str) -> float:
+        return sum(v for (k, _), v in self.seen.items() if k == kind)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-def plain_run(tmp: Path, args: argparse.Namespace) -> list[float]:
+def plain_run(tmp: Path, args: argparse.Namespace) -> tuple[list[float], dict[str, float]]:
+    """Step times of a plain run, and the CPU seconds its trainers used."""
     metrics = tmp / f"plain-{uuid.uuid4().hex[:6]}.jsonl"
+    cpu_before = children_cpu()
     address = f"127.0.0.1:{free_port()}"
     procs = []
     for i in range(args.hosts):
@@ -85,10 +121,14 @@ def plain_run(tmp: Path, args: argparse.Namespace) -> list[float]:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    return step_times(metrics, args.warmup)
+    return step_times(metrics, args.warmup), {"trainers": children_cpu() - cpu_before}
 
 
-def remesh_run(tmp: Path, redis_url: str, args: argparse.Namespace) -> tuple[list[float], dict[str, float]]:
+def remesh_run(
+    tmp: Path, redis_url: str, redis_pid: int, args: argparse.Namespace
+) -> tuple[list[float], dict[str, float], dict[str, float]]:
+    """Step times of a run under remesh, its trainers' statistics, and the CPU seconds used by its
+    trainers, agents, coordinator and Redis."""
     job = f"overhead-{uuid.uuid4().hex[:8]}"
     folder = tmp / job
     folder.mkdir()
@@ -112,17 +152,25 @@ def remesh_run(tmp: Path, redis_url: str, args: argparse.Namespace) -> tuple[lis
             "--checkpoint-every",
             str(args.checkpoint_every),
         ]
+    watch = CpuWatch()
+    redis_before = cpu_seconds(redis_pid) or 0.0
     try:
-        cluster.start_coordinator("--world-size", str(args.hosts))
-        for i in range(args.hosts):
+        coordinator = cluster.start_coordinator("--world-size", str(args.hosts)).pid
+        agents = [
             cluster.start_agent(
                 f"host-{i}",
                 trainer=trainer,
                 env=ENV,
                 extra=("--no-warm-standby", "--trainer-nice", str(args.trainer_nice)),
-            )
+            ).pid
+            for i in range(args.hosts)
+        ]
 
         def finished() -> Path | None:
+            pids = {coordinator: "coordinator", **dict.fromkeys(agents, "agents")}
+            for agent in agents:
+                pids.update(dict.fromkeys(descendants(agent), "trainers"))
+            watch.sample(pids)
             for path in (folder / "metrics").glob("*.jsonl"):
                 lines = path.read_text().splitlines()
                 if lines and json.loads(lines[-1])["step"] >= args.steps:
@@ -141,7 +189,9 @@ def remesh_run(tmp: Path, redis_url: str, args: argparse.Namespace) -> tuple[lis
             k: float(last.get(k, 0.0))
             for k in ("snapshot_s", "snapshots_skipped", "checkpoint_wait_s", "buddy_copies", "buddy_wait_s")
         }
-        return step_times(Path(metrics), args.warmup), stats  # type: ignore[arg-type]
+        cpu = {kind: watch.total(kind) for kind in ("trainers", "agents", "coordinator")}
+        cpu["redis"] = (cpu_seconds(redis_pid) or 0.0) - redis_before
+        return step_times(Path(metrics), args.warmup), stats, cpu  # type: ignore[arg-type]
     except BaseException:
         progress(f"remesh: the remesh run did not finish; its logs end with:\n{cluster.log_tails()}")
         raise
@@ -191,6 +241,8 @@ def main() -> int:
     plain: list[float] = []
     under: list[float] = []
     stats: list[dict[str, float]] = []
+    plain_cpu: list[dict[str, float]] = []
+    remesh_cpu: list[dict[str, float]] = []
     with (
         tempfile.TemporaryDirectory(prefix="remesh-overhead-") as name,
         RedisServer(appendonly=False) as redis,
@@ -198,15 +250,18 @@ def main() -> int:
         tmp = Path(name)
         for r in range(args.rounds):
             t = time.monotonic()
-            times = plain_run(tmp, args)
+            times, cpu = plain_run(tmp, args)
             plain += times
+            plain_cpu.append(cpu)
             progress(
                 f"  round {r + 1}/{args.rounds}: plain  {statistics.median(times):.3f} s/step ({time.monotonic() - t:.0f} s)"
             )
             t = time.monotonic()
-            times, s = remesh_run(tmp, redis.url, args)
+            assert redis.process is not None
+            times, s, cpu = remesh_run(tmp, redis.url, redis.process.pid, args)
             under += times
             stats.append(s)
+            remesh_cpu.append(cpu)
             progress(
                 f"  round {r + 1}/{args.rounds}: remesh {statistics.median(times):.3f} s/step ({time.monotonic() - t:.0f} s)"
             )
@@ -225,6 +280,15 @@ def main() -> int:
         f"buddy copies {statistics.median(s['buddy_copies'] for s in stats):.0f}, "
         f"waits for buddy copies {statistics.median(s['buddy_wait_s'] for s in stats):.2f} s"
     )
+    # Where the CPU goes, per run (medians): on this machine every process shares the same cores,
+    # so CPU the remesh side spends outside the step is taken from it.
+    cpu_plain = statistics.median(c["trainers"] for c in plain_cpu)
+    cpu_remesh = {k: statistics.median(c[k] for c in remesh_cpu) for k in remesh_cpu[0]}
+    print(
+        f"CPU seconds per run: plain trainers {cpu_plain:.1f}; remesh trainers {cpu_remesh['trainers']:.1f}, "
+        f"agents {cpu_remesh['agents']:.1f}, coordinator {cpu_remesh['coordinator']:.1f}, "
+        f"redis {cpu_remesh['redis']:.1f}"
+    )
     result = {
         "overhead_ratio": round(ratio, 4),
         "state_mb": round(mb, 1),
@@ -235,6 +299,8 @@ def main() -> int:
         "hosts": args.hosts,
         "rounds": args.rounds,
         "steps_per_run": args.steps,
+        "cpu_s_per_run": {"plain_trainers": round(cpu_plain, 2)}
+        | {f"remesh_{k}": round(v, 2) for k, v in cpu_remesh.items()},
     }
     print(json.dumps(result))
     return 0

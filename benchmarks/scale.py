@@ -15,7 +15,12 @@ The heartbeat interval grows with the fleet (the coordinator's ``--fleet-size`` 
 ``--heartbeat-budget``): a coordinator ingests about ``--beats-per-second`` heartbeats whatever the size; crash detection does not wait for heartbeats
 (the closed stream is the signal), silent detection does (six intervals).
 
-    python benchmarks/scale.py [--hosts 1000,2000] [--crashes 5] [--silent 3]
+    python benchmarks/scale.py [--hosts 1000,2000] [--crashes 5] [--silent 3] [--ack-delay 1.0]
+
+A simulated trainer acknowledges a new epoch ``--ack-delay`` to twice that after its agent received
+it, as a real one does once it has re-meshed and restored (the demo's trainers: about 1.2 s); with
+``--ack-delay 0`` every member acknowledges at once, and the acknowledgements of thousands of hosts
+meet the fan-out of the same epoch at the coordinator.
 
 Prints a table and, last, one JSON line for the largest size with hosts, crash_detect_p99_s,
 silent_detect_p99_s, fanout_p99_s, false_positives, coordinator_cpu_cores,
@@ -84,7 +89,9 @@ def patiently(call: Callable[[], T], attempts: int = 5) -> T:
 
 
 class Run:
-    def __init__(self, tmp: Path, redis_server: RedisServer, hosts: int, beats_per_second: float) -> None:
+    def __init__(
+        self, tmp: Path, redis_server: RedisServer, hosts: int, beats_per_second: float, ack_delay_s: float
+    ) -> None:
         self.job = f"scale-{uuid.uuid4().hex[:8]}"
         self.redis_server = redis_server
         self.cluster = LocalCluster(tmp / self.job, redis_server.url, self.job)
@@ -92,6 +99,7 @@ class Run:
         self.spares = host_ids(hosts // 10, "spare")
         self.active = host_ids(hosts - len(self.spares))
         self.beats_per_second = beats_per_second
+        self.ack_delay_s = ack_delay_s
         # What the coordinator's --fleet-size/--heartbeat-budget make of its preset.
         self.interval = DetectorSettings().for_fleet(hosts, beats_per_second).heartbeat_interval_s
         self.hosts = hosts
@@ -116,6 +124,7 @@ class Run:
             processes=2,
             pki=self.cluster.pki,
             start_spread_s=max(2.0, self.hosts / 500),
+            ack_delay_s=self.ack_delay_s,
         )
         self.fleet.start(timeout=600)
         progress(f"  {self.hosts} hosts: every simulated agent registered; waiting for the first epoch")
@@ -273,6 +282,12 @@ def main() -> int:
     parser.add_argument(
         "--beats-per-second", type=float, default=1000.0, help="fleet heartbeat rate aimed at"
     )
+    parser.add_argument(
+        "--ack-delay",
+        type=float,
+        default=1.0,
+        help="seconds (to twice that) a simulated trainer re-meshes before acknowledging an epoch; 0: at once",
+    )
     parser.add_argument("--seed", type=int, default=5)
     args = parser.parse_args()
     configure_logging(level="warning")
@@ -282,7 +297,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="remesh-scale-") as tmp:
         for hosts in (int(h) for h in args.hosts.split(",")):
             with RedisServer(appendonly=False) as redis_server:
-                run = Run(Path(tmp), redis_server, hosts, args.beats_per_second)
+                run = Run(Path(tmp), redis_server, hosts, args.beats_per_second, args.ack_delay)
                 try:
                     results.append(measure(run, args.crashes, args.silent, rng))
                 except (TimeoutError, RuntimeError) as exc:
@@ -316,6 +331,7 @@ def main() -> int:
         last = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in results[-1].items()}
         last["coordinator_cpu_cores"] = last.pop("cpu_cores")
     last["sizes"] = [r["hosts"] for r in results]
+    last["ack_delay_s"] = args.ack_delay
     last["failed_sizes"] = {str(h): why for h, why in failed.items()}
     print(json.dumps(last))
     return 1 if failed else 0

@@ -12,7 +12,7 @@ and their descendants (by pid, nothing else).
 
 from __future__ import annotations
 
-__all__ = ["LocalCluster", "Proc", "wait_for"]
+__all__ = ["LocalCluster", "Proc", "descendants", "wait_for"]
 
 import contextlib
 import os
@@ -49,7 +49,7 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str, interva
     raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last value: {last!r})")
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     """Every living process below ``pid`` (children, their children...), from /proc; none elsewhere."""
     children: dict[int, list[int]] = {}
     try:
@@ -98,7 +98,7 @@ class Proc:
         if not self.alive():
             return
         # Listed before the signal: a killed agent's trainers are handed to init at once.
-        below = _descendants(self.popen.pid)
+        below = descendants(self.popen.pid)
         os.killpg(self.popen.pid, sig)  # first: a stopped agent starts nothing new meanwhile
         for pid in below:
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -119,7 +119,7 @@ class Proc:
 
     def close(self) -> None:
         # The whole group, even when its leader is gone: a stopped (SIGSTOP) one needs SIGCONT to die.
-        below = _descendants(self.popen.pid)
+        below = descendants(self.popen.pid)
         for sig in (signal.SIGCONT, signal.SIGKILL):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.popen.pid, sig)
