@@ -89,6 +89,7 @@ class SimAgent:
         self._task: asyncio.Task[None] | None = None
         self._channel: grpc.aio.Channel | None = None
         self._acks: set[asyncio.Task[None]] = set()
+        self.epoch = 0  # the newest epoch received
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=self.host_id)
@@ -165,7 +166,7 @@ class SimAgent:
                 elif any(m.host_id == self.host_id for m in delta.changed):
                     member = True
             if topology is not None:
-                epoch = topology.epoch
+                epoch = self.epoch = topology.epoch
             if epoch and topology is not None:
                 whole = message.HasField("topology")
                 _emit({"host": self.host_id, "epoch": epoch, "t": time.time(), "whole": whole})
@@ -200,6 +201,8 @@ class SimAgent:
                 if self.crashed:
                     return
                 code = exc.code().name
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and self.epoch > epoch:
+                    return  # refused because a newer epoch came meanwhile: that one is acknowledged next
                 if exc.code() not in _TRANSIENT:
                     break
                 _emit({"ack_retried": self.host_id, "code": code})

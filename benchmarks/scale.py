@@ -128,13 +128,13 @@ class Run:
         )
         self.fleet.start(timeout=600)
         progress(f"  {self.hosts} hosts: every simulated agent registered; waiting for the first epoch")
-        wait_for(lambda: self.topology().epoch >= 1, 300, "epoch 1", interval=0.5)
-        progress(f"  {self.hosts} hosts: epoch {self.topology().epoch} published; waiting for it to go live")
+        wait_for(lambda: self.published() >= 1, 300, "epoch 1", interval=0.5)
+        progress(f"  {self.hosts} hosts: epoch {self.published()} published; waiting for it to go live")
         # The job formed and its current epoch is live (a host lost while forming makes epoch 2).
         try:
-            wait_for(lambda: self.live(self.topology().epoch), 300, "the job's epoch live", interval=0.5)
+            wait_for(lambda: self.live(self.published()), 300, "the job's epoch live", interval=0.5)
         except TimeoutError as exc:
-            epoch = self.topology().epoch
+            epoch = self.published()
             acked = {e.host_id for e in self.events([pb.EVENT_TYPE_EPOCH_ACKED]) if e.epoch == epoch}
             raise TimeoutError(
                 f"{exc}: epoch {epoch} acknowledged by {len(acked)} of {len(self.active)} hosts; "
@@ -154,6 +154,11 @@ class Run:
 
         patiently(read)
         return [e for e in self._log if e.type in types and e.time >= since]
+
+    def published(self) -> int:
+        """The newest epoch published, from the event log: watching for it costs the coordinator
+        the events since the last look, where a GetTopology encodes every member each time."""
+        return max((e.epoch for e in self.events([pb.EVENT_TYPE_TOPOLOGY_CHANGED])), default=0)
 
     def topology(self) -> pb.Topology:
         return patiently(lambda: self.cluster.stub().GetTopology(pb.GetTopologyRequest(), timeout=60))
@@ -180,12 +185,10 @@ class Run:
     def fail(self, how: str, victims: list[str]) -> tuple[float, pb.Topology]:
         """Fail ``victims`` at once; returns when the fleet did it and the topology that replaced them."""
         assert self.fleet is not None
-        before = self.topology().epoch
+        before = self.published()
         t = self.fleet.command(how, victims)
-        topology = wait_for(
-            lambda: (tp := self.topology()).epoch > before and tp, 120, f"an epoch after {how}", interval=0.2
-        )
-        return t, topology  # type: ignore[return-value]
+        wait_for(lambda: self.published() > before, 120, f"an epoch after {how}", interval=0.2)
+        return t, self.topology()
 
     def detection(self, victim: str, t: float) -> float:
         dead = wait_for(
@@ -244,13 +247,22 @@ def measure(run: Run, crashes: int, silents: int, rng: random.Random) -> dict[st
             )
     members = [m.host_id for m in run.topology().members]
     victims = rng.sample(members, len(members) // 10)
-    before = run.topology().epoch
+    before = run.published()
     t, topology = run.fail("crash", victims)
     lost |= set(victims)
+    published_at = next(
+        e.time for e in run.events([pb.EVENT_TYPE_TOPOLOGY_CHANGED]) if e.epoch == topology.epoch
+    )
+    correlated_fanout = run.fanout(topology, run.up() - lost)
     wait_for(
         lambda: run.live(topology.epoch), 120, "the epoch after the correlated failure live", interval=0.2
     )
     live_at = next(e.time for e in run.events([pb.EVENT_TYPE_EPOCH_LIVE]) if e.epoch == topology.epoch)
+    progress(
+        f"  {run.hosts} hosts: {len(victims)} crashed at once: epoch {topology.epoch} published after "
+        f"{published_at - t:.2f}s, at every survivor {correlated_fanout:.2f}s later (p99), live after "
+        f"{live_at - t:.2f}s"
+    )
     time.sleep(3.0)  # anything late would show now
     epochs = [e for e in run.events([pb.EVENT_TYPE_TOPOLOGY_CHANGED]) if e.epoch > before]
     dead = {e.host_id for e in run.events([pb.EVENT_TYPE_MEMBER_DEAD])}
@@ -263,6 +275,8 @@ def measure(run: Run, crashes: int, silents: int, rng: random.Random) -> dict[st
             "false_positives": len(dead - lost),
             "correlated_failure_hosts": len(victims),
             "epochs_for_correlated_failure": len(epochs),
+            "correlated_failure_to_epoch_s": round(published_at - t, 3),
+            "correlated_failure_fanout_p99_s": round(correlated_fanout, 3),
             "correlated_failure_to_live_s": round(live_at - t, 3),
             # Calls the simulated agents had to send again, or gave up, by status: the load they met.
             "agent_trouble": dict(run.fleet.trouble) if run.fleet is not None else {},

@@ -582,9 +582,19 @@ def test_an_ack_with_malformed_tier_bytes_is_invalid_and_changes_nothing(
 
 
 def test_acks_of_an_older_epoch_do_not_count() -> None:
-    state = job(acks={"a0": 2, "a2": 2})
-    events, live = ack(state, "a1")
-    assert not live and [e.type for e in events] == [EventType.EPOCH_ACKED]
+    """Every member acknowledged epoch 2; epoch 3 starts with none of them (the count of the
+    acknowledgements so far is the count of the current epoch's)."""
+    before = job(epoch=2, acks={"a0": 2, "a1": 2, "a2": 2})
+    after = job(epoch=3)
+    assert after.topology is not None
+    changed = Event(EventType.TOPOLOGY_CHANGED, NOW, 3, "next", topology=after.topology)
+    state = replay([changed], before)
+    assert state.acks == {}
+    for host in ("a0", "a2"):
+        events, live = ack(state, host)
+        assert not live and [e.type for e in events] == [EventType.EPOCH_ACKED]
+        state = replay(events, state)
+    assert ack(state, "a1")[1]
 
 
 @pytest.mark.parametrize("already_live", [False, True])

@@ -23,6 +23,7 @@ from remesh.coordinator.model import (
     Role,
     Topology,
     TopologyMember,
+    ack_changes,
     apply,
     replay,
 )
@@ -157,6 +158,17 @@ def test_a_log_cut_behind_a_compaction_event_replays_to_the_same_state(log: list
     # And a state survives its own JSON round trip exactly (the event stores it as JSON).
     state = replay(log)
     assert ClusterState.from_dict(json.loads(json.dumps(state.to_dict()))) == state
+
+
+@given(st.lists(events, max_size=12), st.integers(min_value=0, max_value=12))
+def test_ack_changes_are_what_the_events_did_to_the_acknowledgements(log: list[Event], cut: int) -> None:
+    """The store writes acknowledgements from the events of a commit, not by comparing every member's:
+    written onto the ones stored before (or in their place), they are the state's after it."""
+    log = _well_formed(log)
+    before = replay(log[:cut])
+    after = replay(log[cut:], before)
+    written, replaced = ack_changes(before, after, log[cut:])
+    assert ({} if replaced else dict(before.acks)) | written == dict(after.acks)
 
 
 def test_a_forgotten_member_is_gone_and_raises_the_incarnation_floor() -> None:

@@ -514,10 +514,9 @@ def ack_epoch(
             details=details,
         )
     ]
-    # Only members of the epoch acknowledge it (above), each once: it is live at the last of them.
-    members = topology.host_set
-    acked = sum(1 for h, e in state.acks.items() if e == epoch and h in members) + 1
-    live = acked == len(members)
+    # Only members of the epoch acknowledge it (above), each once, and a new epoch starts with none
+    # (ClusterState.acks): it is live at the last of them.
+    live = len(state.acks) + 1 == len(topology.host_set)
     if live:
         events.append(
             Event(EventType.EPOCH_LIVE, now, epoch, f"all {topology.world_size} members run epoch {epoch}")

@@ -26,6 +26,7 @@ __all__ = [
     "Role",
     "Topology",
     "TopologyMember",
+    "ack_changes",
     "apply",
     "replay",
 ]
@@ -252,7 +253,9 @@ class ClusterState:
     waiting_since: float | None = None
     # Highest epoch every member acknowledged.
     live_epoch: int = 0
-    # host_id -> epoch it acknowledged, for the members of the current epoch.
+    # host_id -> epoch it acknowledged, for the members of the current epoch: only its members
+    # acknowledge it, each once, and every new topology starts it empty (``apply``), so its length is
+    # the number of members that acknowledged the current epoch.
     acks: Mapping[str, int] = field(default_factory=dict)
     # An epoch whose JAX coordination address rank 0 found taken: its members form the next epoch,
     # on another port (see ``membership.report_fault``).
@@ -341,6 +344,29 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
     if event.type is EventType.JOB_FINISHED and step is not None:
         return replace(state, members=members, finished_step=step)
     return replace(state, members=members)
+
+
+# The events after which ``apply`` builds the acknowledgements anew (cleared, or one removed); any
+# other event adds at most its own (EPOCH_ACKED) or leaves them as they are.
+_ACKS_REBUILT = frozenset(
+    {EventType.TOPOLOGY_CHANGED, EventType.JOB_HALTED, EventType.MEMBER_FORGOTTEN, EventType.LOG_COMPACTED}
+)
+
+
+def ack_changes(
+    before: ClusterState, after: ClusterState, events: Iterable[Event]
+) -> tuple[dict[str, int], bool]:
+    """What ``events`` did to the acknowledgements, from ``before`` to ``after`` (= the events
+    applied to ``before``): the acknowledgements to write, and whether the stored ones are replaced
+    by them (True: all of ``after``'s). Costs the events, not the members: a new epoch of thousands
+    of hosts is acknowledged by thousands of commits."""
+    acked: list[str] = []
+    for event in events:
+        if event.type in _ACKS_REBUILT:
+            return dict(after.acks), True
+        if event.type is EventType.EPOCH_ACKED and event.host_id is not None:
+            acked.append(event.host_id)
+    return {h: after.acks[h] for h in acked if h in after.acks and before.acks.get(h) != after.acks[h]}, False
 
 
 def _step_of(event: Event) -> int | None:

@@ -34,7 +34,7 @@ from typing import Any, cast
 import redis.exceptions
 
 from remesh.coordinator.errors import Conflict, Fenced, StoreUnavailable
-from remesh.coordinator.model import ClusterState, Event, Member, Topology, replay
+from remesh.coordinator.model import ClusterState, Event, Member, Topology, ack_changes, replay
 from remesh.coordinator.redis_connection import RedisConnection
 
 __all__ = ["RedisStore"]
@@ -231,6 +231,7 @@ class RedisStore:
         Returns the new state and the events with their stream ids.
         """
         after = replay(events, before)
+        acks, acks_replaced = ack_changes(before, after, events)
         # Events that name no member (acknowledgements, a new epoch's topology) keep the members
         # mapping itself: nothing of it to compare, a thousand members or not.
         same_members = after.members is before.members
@@ -246,8 +247,8 @@ class RedisStore:
             if after.topology is not None and after.topology != before.topology
             else "",
             "meta": {},
-            "acks": dict(after.acks.items() - before.acks.items()),
-            "acks_clear": not before.acks.keys() <= after.acks.keys(),
+            "acks": acks,
+            "acks_clear": acks_replaced,
             "forgotten": [] if same_members else [h for h in before.members if h not in after.members],
             "events": [e.to_json() for e in events],
         }
@@ -265,8 +266,6 @@ class RedisStore:
             payload["meta"]["finished_step"] = str(after.finished_step)
         if after.incarnation_floor != before.incarnation_floor:
             payload["meta"]["incarnation_floor"] = str(after.incarnation_floor)
-        if payload["acks_clear"]:
-            payload["acks"] = dict(after.acks)
         # cjson decodes {} and [] alike; an empty table is fine for both loops above.
         keys = [self.keys[k] for k in ("members", "topology", "meta", "acks", "events", "leader", "progress")]
         try:
