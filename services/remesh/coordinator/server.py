@@ -324,42 +324,34 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         stream = self._c.attach_stream(first.host_id, first.incarnation)
         probe = _Probe(first.probe, time.monotonic())
         reader = asyncio.create_task(self._read(request_iterator, first, probe))
-        topologies = aiter(self._c.watch_topology(self._c.state.epoch))
-        next_topology = asyncio.ensure_future(anext(topologies))
-        next_command = asyncio.ensure_future(stream.commands.get())
+        reader.add_done_callback(lambda _: stream.ring())
         keepalive = self._c.settings.stream_keepalive_s
         # The topology sent last on this stream: a later one goes as a delta from it when the agent
         # applies deltas, whole otherwise.
         sent = self._encode(self._c.state.topology)
+        sent_epoch = self._c.state.epoch
         try:
             yield sent.whole
             while True:
-                done, _ = await asyncio.wait(
-                    {next_topology, next_command, reader},
-                    timeout=keepalive,
-                    return_when=asyncio.FIRST_COMPLETED,
-                )
-                if not done:
-                    # Nothing to say: an empty message tells the agent this coordinator still answers,
-                    # and echoes its newest heartbeat's probe (its round trip).
-                    yield probe.echo()
-                    continue
-                if next_topology in done:
-                    encoded = self._encode(next_topology.result())
+                # What is due, in this order: a newer topology (only the newest: it supersedes the
+                # ones before), the agent's commands, the end of the agent's side.
+                topology = self._c.state.topology
+                if topology is not None and topology.epoch > sent_epoch:
+                    encoded = self._encode(topology)
                     yield encoded.reply(sent.message if first.topology_deltas else None)
-                    sent = encoded
-                    next_topology = asyncio.ensure_future(anext(topologies))
-                if next_command in done:
-                    command, reason = next_command.result()
+                    sent, sent_epoch = encoded, topology.epoch
+                    continue
+                if stream.commands:
+                    command, reason = stream.commands.popleft()
                     if command == "not_leader":
                         await _abort(context, self._c.not_leader(reason))
                     code = _COMMANDS[command]
                     yield pb.HeartbeatResponse(command=code, reason=reason)
                     if code in (pb.COMMAND_REREGISTER, pb.COMMAND_FINISHED):
                         return
-                    next_command = asyncio.ensure_future(stream.commands.get())
-                if reader in done:
-                    error = reader.exception()
+                    continue
+                if reader.done():
+                    error = None if reader.cancelled() else reader.exception()
                     if isinstance(error, NotLeader):
                         await _abort(context, error)
                     if isinstance(error, Rejected | NotFound | InvalidRequest):
@@ -367,11 +359,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     elif error is not None:
                         log.warning("heartbeat stream failed", host=first.host_id, error=repr(error))
                     return
+                if not await stream.wait(keepalive):
+                    # Nothing to say: an empty message tells the agent this coordinator still answers,
+                    # and echoes its newest heartbeat's probe (its round trip).
+                    yield probe.echo()
         finally:
-            for task in (reader, next_topology, next_command):
-                task.cancel()
-            with contextlib.suppress(BaseException):
-                await topologies.aclose()  # type: ignore[attr-defined]
+            reader.cancel()
             self._c.detach_stream(stream)
 
     def _encode(self, topology: Topology | None) -> _Encoded:

@@ -13,6 +13,7 @@ leader. A replica that takes over grants every member a fresh deadline before ju
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import time
@@ -90,11 +91,43 @@ class _ChangeLogger:
 
 @dataclass(eq=False)  # one stream is itself only: two of the same host are never equal
 class AgentStream:
-    """One open heartbeat stream: commands for the agent are queued here."""
+    """One open heartbeat stream: the commands queued for its agent, and a doorbell its handler
+    waits on for them, a new topology, or its agent's end.
+
+    A new epoch reaches thousands of streams: ringing each is setting one future, where a task per
+    stream watching the topology cost each of them task switches and an ``asyncio.wait``."""
 
     host_id: str
     incarnation: int
-    commands: asyncio.Queue[tuple[str, str]] = field(default_factory=asyncio.Queue)
+    commands: collections.deque[tuple[str, str]] = field(default_factory=collections.deque)
+    _bell: asyncio.Future[bool] | None = None
+
+    def command(self, command: str, reason: str) -> None:
+        self.commands.append((command, reason))
+        self.ring()
+
+    def ring(self) -> None:
+        """Wake the handler if it waits (if not, it looks at everything before it waits again)."""
+        bell = self._bell
+        if bell is not None and not bell.done():
+            bell.set_result(True)
+
+    async def wait(self, quiet_s: float) -> bool:
+        """Until ``ring()`` (True), or ``quiet_s`` seconds with nothing (False). One future and one
+        timer: cheaper than ``asyncio.timeout`` around a wait, per stream and keepalive."""
+        loop = asyncio.get_running_loop()
+        bell = self._bell = loop.create_future()
+        timer = loop.call_later(quiet_s, _quiet, bell)
+        try:
+            return await bell
+        finally:
+            timer.cancel()
+            self._bell = None
+
+
+def _quiet(bell: asyncio.Future[bool]) -> None:
+    if not bell.done():
+        bell.set_result(False)
 
 
 def _declare_all(now: float, state: ClusterState, verdicts: list[Verdict]) -> list[Event]:
@@ -276,7 +309,7 @@ class Coordinator:
         self._dirty_steps = {}
         # Agents streaming to this replica must find the new leader.
         for stream in self._every_stream():
-            stream.commands.put_nowait(("not_leader", reason))
+            stream.command("not_leader", reason)
 
     async def _mirror(self) -> None:
         """A follower's view of the stored state, for reads and topology watches."""
@@ -397,7 +430,7 @@ class Coordinator:
                 self.metrics.epochs_published.inc()
             if event.type is EventType.JOB_FINISHED:
                 for stream in self._every_stream():
-                    stream.commands.put_nowait(("finished", event.reason))
+                    stream.command("finished", event.reason)
         if any(e.type in (EventType.TOPOLOGY_CHANGED, EventType.JOB_HALTED) for e in events):
             self._stalls = {}
             self._topology_may_have_changed()
@@ -406,7 +439,7 @@ class Coordinator:
     def _send(self, host_id: str, incarnation: int, command: str, reason: str) -> None:
         for stream in self._streams.get(host_id, ()):
             if stream.incarnation == incarnation:
-                stream.commands.put_nowait((command, reason))
+                stream.command(command, reason)
 
     def _every_stream(self) -> list[AgentStream]:
         return [stream for streams in self._streams.values() for stream in streams]
@@ -616,7 +649,7 @@ class Coordinator:
         if seen is not None and seen.incarnation == incarnation:
             self._liveness.set(host_id, replace(seen, stream_broken_at=None))
         if self.state.finished:
-            stream.commands.put_nowait(("finished", self._finished_reason()))
+            stream.command("finished", self._finished_reason())
         return stream
 
     def _finished_reason(self) -> str:
@@ -811,6 +844,8 @@ class Coordinator:
     def _topology_may_have_changed(self) -> None:
         changed, self._topology_changed = self._topology_changed, asyncio.Event()
         changed.set()
+        for stream in self._every_stream():
+            stream.ring()
 
     async def _newer_topology(self, epoch: int) -> Topology:
         while True:
