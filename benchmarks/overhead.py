@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import socket
 import statistics
 import subprocess
@@ -69,27 +68,41 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
-def children_cpu() -> float:
-    """CPU time of this process's children that have been waited for, theirs included."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
 class CpuWatch:
-    """The newest CPU time seen of each process watched, by kind: sampled while the run goes on, so
-    processes that exit in its course (the trainers) still count, to within one sample."""
+    """CPU time of the processes of a run, by kind, sampled with the wall-clock time while the run
+    goes on; ``cores`` says how much each kind used between two moments (the steps that are timed),
+    so start-up (imports, compiling) counts for neither loop."""
 
     def __init__(self) -> None:
-        self.seen: dict[tuple[str, int], float] = {}
+        self.samples: dict[tuple[str, int], list[tuple[float, float]]] = {}
 
     def sample(self, pids: dict[int, str]) -> None:
+        now = time.time()
         for pid, kind in pids.items():
             cpu = cpu_seconds(pid)
             if cpu is not None:
-                self.seen[(kind, pid)] = cpu
+                self.samples.setdefault((kind, pid), []).append((now, cpu))
 
-    def total(self, kind: str) -> float:
-        return sum(v for (k, _), v in self.seen.items() if k == kind)
+    def cores(self, kind: str, start: float, end: float) -> float:
+        """Cores ``kind`` used from ``start`` to ``end`` (wall clock), to within one sample."""
+        used = 0.0
+        for (k, _), seen in self.samples.items():
+            if k != kind:
+                continue
+            before = [cpu for t, cpu in seen if t <= start]
+            until = [cpu for t, cpu in seen if t <= end]
+            if until:
+                used += until[-1] - (before[-1] if before else seen[0][1])
+        return used / max(1e-9, end - start)
+
+
+def timed_window(metrics: Path, warmup: int) -> tuple[float, float]:
+    """From the last untimed step (the warm-up's end) to the last step timed (``step_times``)."""
+    lines = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    times = {int(r["step"]): float(r["t"]) for r in lines}
+    last = max(times)
+    timed = [s for s in times if warmup <= s < last]
+    return times[min(timed)], times[max(timed)]
 
 
 def free_port() -> int:
@@ -99,9 +112,9 @@ def free_port() -> int:
 
 
 def plain_run(tmp: Path, args: argparse.Namespace) -> tuple[list[float], dict[str, float]]:
-    """Step times of a plain run, and the CPU seconds its trainers used."""
+    """Step times of a plain run, and the cores its trainers used while they were timed."""
     metrics = tmp / f"plain-{uuid.uuid4().hex[:6]}.jsonl"
-    cpu_before = children_cpu()
+    watch = CpuWatch()
     address = f"127.0.0.1:{free_port()}"
     procs = []
     for i in range(args.hosts):
@@ -113,22 +126,28 @@ def plain_run(tmp: Path, args: argparse.Namespace) -> tuple[list[float], dict[st
         log = open(tmp / f"plain-{i}.log", "w")  # noqa: SIM115
         procs.append(subprocess.Popen(cmd, env={**os.environ, **ENV}, stdout=log, stderr=subprocess.STDOUT))
     try:
-        for proc in procs:
-            if proc.wait(timeout=args.run_timeout) != 0:
-                raise RuntimeError(f"the plain run failed; see {tmp}/plain-*.log")
+        deadline = time.monotonic() + args.run_timeout
+        while any(proc.poll() is None for proc in procs):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the plain run did not finish in {args.run_timeout:.0f}s")
+            watch.sample(dict.fromkeys((p.pid for p in procs), "trainers"))
+            time.sleep(0.5)
+        if any(proc.returncode != 0 for proc in procs):
+            raise RuntimeError(f"the plain run failed; see {tmp}/plain-*.log")
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    return step_times(metrics, args.warmup), {"trainers": children_cpu() - cpu_before}
+    start, end = timed_window(metrics, args.warmup)
+    return step_times(metrics, args.warmup), {"trainers": watch.cores("trainers", start, end)}
 
 
 def remesh_run(
     tmp: Path, redis_url: str, redis_pid: int, args: argparse.Namespace
 ) -> tuple[list[float], dict[str, float], dict[str, float]]:
-    """Step times of a run under remesh, its trainers' statistics, and the CPU seconds used by its
-    trainers, agents, coordinator and Redis."""
+    """Step times of a run under remesh, its trainers' statistics, and the cores its trainers,
+    agents, coordinator and Redis used while the steps were timed."""
     job = f"overhead-{uuid.uuid4().hex[:8]}"
     folder = tmp / job
     folder.mkdir()
@@ -153,7 +172,6 @@ def remesh_run(
             str(args.checkpoint_every),
         ]
     watch = CpuWatch()
-    redis_before = cpu_seconds(redis_pid) or 0.0
     try:
         coordinator = cluster.start_coordinator("--world-size", str(args.hosts)).pid
         agents = [
@@ -167,7 +185,7 @@ def remesh_run(
         ]
 
         def finished() -> Path | None:
-            pids = {coordinator: "coordinator", **dict.fromkeys(agents, "agents")}
+            pids = {coordinator: "coordinator", redis_pid: "redis", **dict.fromkeys(agents, "agents")}
             for agent in agents:
                 pids.update(dict.fromkeys(descendants(agent), "trainers"))
             watch.sample(pids)
@@ -189,8 +207,8 @@ def remesh_run(
             k: float(last.get(k, 0.0))
             for k in ("snapshot_s", "snapshots_skipped", "checkpoint_wait_s", "buddy_copies", "buddy_wait_s")
         }
-        cpu = {kind: watch.total(kind) for kind in ("trainers", "agents", "coordinator")}
-        cpu["redis"] = (cpu_seconds(redis_pid) or 0.0) - redis_before
+        start, end = timed_window(Path(metrics), args.warmup)  # type: ignore[arg-type]
+        cpu = {kind: watch.cores(kind, start, end) for kind in ("trainers", "agents", "coordinator", "redis")}
         return step_times(Path(metrics), args.warmup), stats, cpu  # type: ignore[arg-type]
     except BaseException:
         progress(f"remesh: the remesh run did not finish; its logs end with:\n{cluster.log_tails()}")
@@ -280,14 +298,14 @@ def main() -> int:
         f"buddy copies {statistics.median(s['buddy_copies'] for s in stats):.0f}, "
         f"waits for buddy copies {statistics.median(s['buddy_wait_s'] for s in stats):.2f} s"
     )
-    # Where the CPU goes, per run (medians): on this machine every process shares the same cores,
-    # so CPU the remesh side spends outside the step is taken from it.
+    # Where the CPU goes while steps are timed (medians of the runs): on this machine every process
+    # shares the same cores, so CPU the remesh side spends outside the step is taken from it.
     cpu_plain = statistics.median(c["trainers"] for c in plain_cpu)
     cpu_remesh = {k: statistics.median(c[k] for c in remesh_cpu) for k in remesh_cpu[0]}
     print(
-        f"CPU seconds per run: plain trainers {cpu_plain:.1f}; remesh trainers {cpu_remesh['trainers']:.1f}, "
-        f"agents {cpu_remesh['agents']:.1f}, coordinator {cpu_remesh['coordinator']:.1f}, "
-        f"redis {cpu_remesh['redis']:.1f}"
+        f"cores while timed: plain trainers {cpu_plain:.2f}; remesh trainers {cpu_remesh['trainers']:.2f}, "
+        f"agents {cpu_remesh['agents']:.3f}, coordinator {cpu_remesh['coordinator']:.3f}, "
+        f"redis {cpu_remesh['redis']:.3f}"
     )
     result = {
         "overhead_ratio": round(ratio, 4),
@@ -299,8 +317,8 @@ def main() -> int:
         "hosts": args.hosts,
         "rounds": args.rounds,
         "steps_per_run": args.steps,
-        "cpu_s_per_run": {"plain_trainers": round(cpu_plain, 2)}
-        | {f"remesh_{k}": round(v, 2) for k, v in cpu_remesh.items()},
+        "cores_while_timed": {"plain_trainers": round(cpu_plain, 3)}
+        | {f"remesh_{k}": round(v, 3) for k, v in cpu_remesh.items()},
     }
     print(json.dumps(result))
     return 0
