@@ -266,6 +266,9 @@ def measure(run: Run, crashes: int, silents: int, rng: random.Random) -> dict[st
     time.sleep(3.0)  # anything late would show now
     epochs = [e for e in run.events([pb.EVENT_TYPE_TOPOLOGY_CHANGED]) if e.epoch > before]
     dead = {e.host_id for e in run.events([pb.EVENT_TYPE_MEMBER_DEAD])}
+    # Suspicions of hosts that never failed: not false positives (nobody was replaced), but how near
+    # the detector came to them.
+    suspected = {e.host_id for e in run.events([pb.EVENT_TYPE_MEMBER_SUSPECT])} - lost
     result.update(
         {
             "crash_detect_p50_s": round(percentile(crash, 50), 3),
@@ -273,6 +276,7 @@ def measure(run: Run, crashes: int, silents: int, rng: random.Random) -> dict[st
             "silent_detect_p99_s": round(percentile(silent, 99), 3),
             "fanout_p99_s": round(max(fanout), 3),
             "false_positives": len(dead - lost),
+            "healthy_hosts_suspected": len(suspected),
             "correlated_failure_hosts": len(victims),
             "epochs_for_correlated_failure": len(epochs),
             "correlated_failure_to_epoch_s": round(published_at - t, 3),
