@@ -144,11 +144,12 @@ class SimAgent:
                 await asyncio.sleep(interval)
 
         call = stub.Heartbeat(beats())
-        # What this simulated agent keeps of the topology: its epoch and whether it is a member. A
-        # real agent rebuilds the whole member list from a delta (remesh.v1.deltas.apply: O(members)
-        # on its own host); a thousand of them in one process would measure this process, not the
-        # coordinator, so a simulated one applies the delta to what it keeps, and checks its base.
-        epoch, member = 0, False
+        # What this simulated agent keeps of the topology: its epoch (``self.epoch``) and whether it
+        # is a member. A real agent rebuilds the whole member list from a delta
+        # (remesh.v1.deltas.apply: O(members) on its own host); a thousand of them in one process
+        # would measure this process, not the coordinator, so a simulated one applies the delta to
+        # what it keeps, and checks its base. A new stream starts with a whole topology.
+        member = False
         async for message in call:
             topology: pb.Topology | None = None
             if message.HasField("topology"):
@@ -156,8 +157,9 @@ class SimAgent:
                 member = any(m.host_id == self.host_id for m in topology.members)
             elif message.HasField("topology_delta"):
                 delta = message.topology_delta
-                if delta.base_epoch != epoch:
-                    _emit({"delta_mismatch": self.host_id, "detail": f"from {delta.base_epoch} on {epoch}"})
+                if delta.base_epoch != self.epoch:
+                    detail = f"from {delta.base_epoch} on {self.epoch}"
+                    _emit({"delta_mismatch": self.host_id, "detail": detail})
                     call.cancel()
                     return
                 topology = delta.topology
@@ -166,12 +168,12 @@ class SimAgent:
                 elif any(m.host_id == self.host_id for m in delta.changed):
                     member = True
             if topology is not None:
-                epoch = self.epoch = topology.epoch
-            if epoch and topology is not None:
+                self.epoch = topology.epoch
+            if self.epoch and topology is not None:
                 whole = message.HasField("topology")
-                _emit({"host": self.host_id, "epoch": epoch, "t": time.time(), "whole": whole})
+                _emit({"host": self.host_id, "epoch": self.epoch, "t": time.time(), "whole": whole})
                 if member and self.speaking.is_set():  # a silent host acknowledges nothing
-                    ack = asyncio.create_task(self._ack(stub, incarnation, epoch))
+                    ack = asyncio.create_task(self._ack(stub, incarnation, self.epoch))
                     self._acks.add(ack)
                     ack.add_done_callback(self._acks.discard)
             if message.command in (pb.COMMAND_REREGISTER, pb.COMMAND_DRAIN):

@@ -29,14 +29,13 @@ from pathlib import Path
 from remesh.cli.logs import configure_logging
 from remesh.elastic import Policy
 from remesh.embedded import RedisServer
-from remesh.embedded.cluster import LocalCluster, descendants, wait_for
+from remesh.embedded.cluster import LocalCluster, cpu_seconds, descendants, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.recovery import d_model_for, state_bytes  # noqa: E402  (sized as the recovery benchmark)
 
 ENV = {"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def progress(message: str) -> None:
@@ -57,15 +56,6 @@ def step_times(metrics: Path, warmup: int) -> list[float]:
     times = {int(r["step"]): float(r["t"]) for r in lines}
     steps = sorted(s for s in times if warmup < s < max(times))
     return [times[s] - times[s - 1] for s in steps if s - 1 in times]
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """CPU time ``pid`` has used (user + system), None once it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
 class CpuWatch:
@@ -184,10 +174,14 @@ def remesh_run(
             for i in range(args.hosts)
         ]
 
+        pids = {coordinator: "coordinator", redis_pid: "redis", **dict.fromkeys(agents, "agents")}
+
         def finished() -> Path | None:
-            pids = {coordinator: "coordinator", redis_pid: "redis", **dict.fromkeys(agents, "agents")}
-            for agent in agents:
-                pids.update(dict.fromkeys(descendants(agent), "trainers"))
+            # The trainers are looked for in /proc (every process's stat) only until each agent's is
+            # found: the plain run's observer reads nothing but its trainers', and so does this one.
+            if list(pids.values()).count("trainers") < args.hosts:
+                for agent in agents:
+                    pids.update(dict.fromkeys(descendants(agent), "trainers"))
             watch.sample(pids)
             for path in (folder / "metrics").glob("*.jsonl"):
                 lines = path.read_text().splitlines()

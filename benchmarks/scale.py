@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import sys
 import tempfile
@@ -51,10 +50,9 @@ from benchmarks.fleet import Fleet, host_ids  # noqa: E402
 from remesh.cli.logs import configure_logging  # noqa: E402
 from remesh.coordinator.settings import DetectorSettings  # noqa: E402
 from remesh.embedded import RedisServer  # noqa: E402
-from remesh.embedded.cluster import LocalCluster, wait_for  # noqa: E402
+from remesh.embedded.cluster import LocalCluster, cpu_seconds, wait_for  # noqa: E402
 from remesh.v1 import coordinator_pb2 as pb  # noqa: E402
 
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 T = TypeVar("T")
 
 
@@ -65,11 +63,6 @@ def progress(message: str) -> None:
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)] if ordered else float("nan")
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime + stime
 
 
 _AGAIN = (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
@@ -168,9 +161,9 @@ class Run:
 
     def steady(self, seconds: float) -> dict[str, float]:
         assert self.fleet is not None
-        c0, t0 = cpu_seconds(self.pid), time.monotonic()
+        c0, t0 = self.coordinator_cpu(), time.monotonic()
         time.sleep(seconds)
-        cores = (cpu_seconds(self.pid) - c0) / (time.monotonic() - t0)
+        cores = (self.coordinator_cpu() - c0) / (time.monotonic() - t0)
         client = redis.Redis.from_url(self.redis_server.url)
         try:
             memory = int(client.info("memory")["used_memory"])
@@ -181,6 +174,16 @@ class Run:
             "cpu_cores": cores,
             "redis_mb": memory / 2**20,
         }
+
+    def coordinator_cpu(self) -> float:
+        cpu = cpu_seconds(self.pid)
+        if cpu is None:
+            raise RuntimeError(f"the coordinator exited; see {self.cluster.tmp}")
+        return cpu
+
+    def published_at(self, epoch: int) -> float:
+        """When ``epoch``'s topology_changed event was written."""
+        return next(e.time for e in self.events([pb.EVENT_TYPE_TOPOLOGY_CHANGED]) if e.epoch == epoch)
 
     def fail(self, how: str, victims: list[str]) -> tuple[float, pb.Topology]:
         """Fail ``victims`` at once; returns when the fleet did it and the topology that replaced them."""
@@ -201,9 +204,7 @@ class Run:
 
     def fanout(self, topology: pb.Topology, expect: set[str]) -> float:
         assert self.fleet is not None
-        published = next(
-            e.time for e in self.events([pb.EVENT_TYPE_TOPOLOGY_CHANGED]) if e.epoch == topology.epoch
-        )
+        published = self.published_at(topology.epoch)
         arrivals = wait_for(
             lambda: expect <= set(got := self.fleet.received(topology.epoch)) and got,  # type: ignore[union-attr]
             120,
@@ -250,9 +251,7 @@ def measure(run: Run, crashes: int, silents: int, rng: random.Random) -> dict[st
     before = run.published()
     t, topology = run.fail("crash", victims)
     lost |= set(victims)
-    published_at = next(
-        e.time for e in run.events([pb.EVENT_TYPE_TOPOLOGY_CHANGED]) if e.epoch == topology.epoch
-    )
+    published_at = run.published_at(topology.epoch)
     correlated_fanout = run.fanout(topology, run.up() - lost)
     wait_for(
         lambda: run.live(topology.epoch), 120, "the epoch after the correlated failure live", interval=0.2

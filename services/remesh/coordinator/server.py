@@ -329,17 +329,16 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         # The topology sent last on this stream: a later one goes as a delta from it when the agent
         # applies deltas, whole otherwise.
         sent = self._encode(self._c.state.topology)
-        sent_epoch = self._c.state.epoch
         try:
             yield sent.whole
             while True:
                 # What is due, in this order: a newer topology (only the newest: it supersedes the
                 # ones before), the agent's commands, the end of the agent's side.
                 topology = self._c.state.topology
-                if topology is not None and topology.epoch > sent_epoch:
+                if topology is not None and topology.epoch > sent.message.epoch:
                     encoded = self._encode(topology)
                     yield encoded.reply(sent.message if first.topology_deltas else None)
-                    sent, sent_epoch = encoded, topology.epoch
+                    sent = encoded
                     continue
                 if stream.commands:
                     command, reason = stream.commands.popleft()

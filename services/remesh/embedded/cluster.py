@@ -12,7 +12,7 @@ and their descendants (by pid, nothing else).
 
 from __future__ import annotations
 
-__all__ = ["LocalCluster", "Proc", "descendants", "wait_for"]
+__all__ = ["LocalCluster", "Proc", "cpu_seconds", "descendants", "wait_for"]
 
 import contextlib
 import os
@@ -47,6 +47,16 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str, interva
             return last
         time.sleep(interval)
     raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last value: {last!r})")
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """CPU time ``pid`` has used so far (user + system), from /proc; None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()  # after the command name, which may hold spaces
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 def descendants(pid: int) -> list[int]:
