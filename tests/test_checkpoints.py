@@ -207,6 +207,47 @@ def test_corrupt_local_step_falls_back(tmp_path: Path) -> None:
     assert local.committed_steps() == [1, 2]  # still committed: never silently deleted
 
 
+def test_checkpoints_are_not_compressed_unless_asked(tmp_path: Path) -> None:
+    """zstd costs a quarter of a save's CPU for little on float weights: off unless a tier asks."""
+    zeros = {"w": np.zeros((256, 1024), np.float32)}  # 1 MiB that compresses to almost nothing
+
+    def written(compress: bool) -> int:
+        tier = LocalCheckpoints(tmp_path / f"ckpt-{compress}", compress=compress)
+        tier.save(1, 1, zeros)
+        return sum(p.stat().st_size for p in (tmp_path / f"ckpt-{compress}").rglob("*") if p.is_file())
+
+    assert written(compress=False) > zeros["w"].nbytes
+    assert written(compress=True) < zeros["w"].nbytes // 10
+    assert_bitwise_equal(zeros, LocalCheckpoints(tmp_path / "ckpt-True").restore().state)
+
+
+def test_sharded_save_lists_crc32c_digests_and_a_corrupt_one_falls_back(tmp_path: Path) -> None:
+    """A sharded state's marker lists a CRC32C per file (rank 0 reads them back while training goes
+    on); a file that no longer matches its CRC32C makes the step unviable, and the one before it is
+    restored whole."""
+    import jax
+
+    def state(seed: int) -> dict[str, Any]:  # dtypes JAX keeps as they are (no 64-bit ones)
+        whole = make_state(seed)
+        return {"w": whole["params"]["w"], "opt": whole["opt"]}
+
+    local = LocalCheckpoints(tmp_path / "ckpt")
+    for step in (1, 2):
+        assert local.prepare_global(step, 1)
+        local.write_global(step, jax.tree.map(jax.numpy.asarray, state(step)))
+        local.commit_global(step, 1, {"step": step})
+    marker = json.loads((tmp_path / "ckpt" / "step_0000000002" / "COMMITTED").read_text())
+    assert all(f["digest"].startswith("crc32c:") for f in marker["files"].values())
+    victim = largest_file(tmp_path / "ckpt" / "step_0000000002")
+    victim.write_bytes(flip_bytes(victim.read_bytes()))  # same size: only the digest can tell
+
+    with capture_logs() as logs:
+        assert local.latest_viable() == 1
+    assert [e["step"] for e in warnings_about(logs, "corrupt")] == [2]
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state(1))
+    assert_bitwise_equal(state(1), jax.tree.map(np.asarray, local.restore_global(1, target)))
+
+
 def test_corrupt_gcs_step_falls_back(gcs: FakeGcsServer, bucket: str, tmp_path: Path) -> None:
     tier = gcs_tier(gcs, bucket, tmp_path / "staging")
     tier.save(1, 1, make_state(1))

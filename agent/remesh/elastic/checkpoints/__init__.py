@@ -8,7 +8,9 @@ pytree of host numpy arrays (``jax.device_get(state)``) with its step, epoch and
     {root}/EPOCH_FENCE                  the highest epoch that has written here (JSON)
     {root}/step_0000000120/state/...    an Orbax PyTree checkpoint of the state
     {root}/step_0000000120/COMMITTED    the commit marker, written last: step, epoch, time, extra,
-                                        and the size and sha256 of every file of the step
+                                        and the size and digest of every file of the step
+                                        (sha256; CRC32C for a sharded state's, which every host
+                                        wrote and rank 0 reads back while training goes on)
 
 Retention: after each commit, the committed steps older than the newest ``max_to_keep`` (3) are
 deleted, marker first, with the leftovers of dead writers older than them; a save on its way (newer,

@@ -54,8 +54,9 @@ class GcsCheckpoints(Checkpoints):
         staging_dir: str | os.PathLike[str],
         clock: Callable[[], float] = time.time,
         max_to_keep: int | None = 3,
+        compress: bool = False,
     ) -> None:
-        super().__init__(clock, max_to_keep)
+        super().__init__(clock, max_to_keep, compress)
         self.name = "gcs"
         self.bucket = client.bucket(bucket)
         self.prefix = prefix.strip("/")

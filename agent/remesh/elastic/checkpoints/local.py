@@ -44,8 +44,9 @@ class LocalCheckpoints(Checkpoints):
         directory: str | os.PathLike[str],
         clock: Callable[[], float] = time.time,
         max_to_keep: int | None = 3,
+        compress: bool = False,
     ) -> None:
-        super().__init__(clock, max_to_keep)
+        super().__init__(clock, max_to_keep, compress)
         self.name = "local"
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
