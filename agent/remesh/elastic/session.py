@@ -21,7 +21,9 @@ Where that is impossible it exits with ``RESTART_EXIT_CODE`` and the agent start
 from __future__ import annotations
 
 import collections
+import functools
 import json
+import operator
 import os
 import sys
 import tempfile
@@ -669,33 +671,46 @@ class Session:
         return assignment
 
     def _watchdog(self) -> None:
+        """Report a step blocked past ``stall_after``; end the process when blocking work outlives a
+        new epoch by its grace. Sleeps until the nearest of those moments, or until the agent's
+        assignment changes: no polling beside a healthy step."""
         stall_after = self.policy.stall_report_s or self.policy.collective_timeout_s / 2
+        graces = [g for g in (self.policy.stuck_step_exit_s, self.policy.stuck_join_exit_s) if g is not None]
+        # Nothing blocked: work that begins now is due no sooner than this.
+        idle_wait = min([stall_after, *graces])
         reported: tuple[int, float] | None = None
         while True:
-            time.sleep(0.05)
+            seen = self.agent.latest
+            wait = idle_wait
             blocked = self._blocked
-            if blocked is None:
-                continue
-            epoch, since, grace, what = blocked
-            if what == "step" and reported != (epoch, since) and time.monotonic() - since >= stall_after:
-                reported = (epoch, since)
-                # In the background: the agent may retry through a leader change, and this thread
-                # must stay free to notice a new epoch.
-                threading.Thread(
-                    target=self.agent.report_stall,
-                    args=(epoch, self._step, time.monotonic() - since),
-                    name="remesh-stall",
-                    daemon=True,
-                ).start()
-            latest = self.agent.latest
-            if latest.epoch <= epoch:
-                continue
-            stuck = time.monotonic() - max(since, self.agent.changed_at)
-            if stuck >= grace:
-                self._restart_process(
-                    f"{what} of epoch {epoch} still blocked {stuck:.2f}s after epoch {latest.epoch} "
-                    "was announced: it waits for a dead peer"
-                )
+            if blocked is not None:
+                epoch, since, grace, what = blocked
+                now = time.monotonic()
+                due = []
+                if what == "step" and reported != (epoch, since):
+                    if now - since >= stall_after:
+                        reported = (epoch, since)
+                        # In the background: the agent may retry through a leader change, and this
+                        # thread must stay free to notice a new epoch.
+                        threading.Thread(
+                            target=self.agent.report_stall,
+                            args=(epoch, self._step, now - since),
+                            name="remesh-stall",
+                            daemon=True,
+                        ).start()
+                    else:
+                        due.append(since + stall_after)
+                if seen.epoch > epoch:
+                    stuck = now - max(since, self.agent.changed_at)
+                    if stuck >= grace:
+                        self._restart_process(
+                            f"{what} of epoch {epoch} still blocked {stuck:.2f}s after epoch {seen.epoch} "
+                            "was announced: it waits for a dead peer"
+                        )
+                    due.append(now + grace - stuck)
+                # Blocking work that ends and begins again is due later than what is due now.
+                wait = min([idle_wait, *(d - now for d in due)])
+            self.agent.wait_until(functools.partial(operator.is_not, seen), max(wait, 0.005))
 
     def _blocking(self, epoch: int, grace: float | None, what: str, since: float | None = None) -> None:
         """Blocking work begins (``since``: when it began, now by default) for the watchdog to judge."""

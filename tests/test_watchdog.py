@@ -1,0 +1,114 @@
+"""The trainer's watchdog, on its own: it sleeps until something can be due (no polling beside a
+healthy step), reports a step blocked too long once, and ends the process when blocking work
+outlives a new epoch by its grace, never sooner. What it reads of the session and the agent is
+stood in for here (pure timing logic); the end-to-end tests run it inside real trainers."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+from remesh.elastic import Policy
+from remesh.elastic.session import Session
+
+
+class Agent:
+    """The part of AgentClient the watchdog uses: the latest assignment and a wait for a change."""
+
+    def __init__(self) -> None:
+        self._latest = SimpleNamespace(epoch=1)
+        self.changed_at = time.monotonic()
+        self._changed = threading.Condition()
+        self.stalls: list[tuple[int, int, float]] = []
+        self.waits = 0
+
+    @property
+    def latest(self) -> Any:
+        return self._latest
+
+    def publish(self, epoch: int) -> float:
+        with self._changed:
+            self._latest = SimpleNamespace(epoch=epoch)
+            self.changed_at = time.monotonic()
+            self._changed.notify_all()
+            return self.changed_at
+
+    def wait_until(self, predicate: Callable[[Any], bool], timeout: float) -> Any:
+        with self._changed:
+            self.waits += 1
+            self._changed.wait_for(lambda: predicate(self._latest), timeout)
+            return self._latest
+
+    def report_stall(self, epoch: int, step: int, blocked_s: float) -> None:
+        self.stalls.append((epoch, step, blocked_s))
+
+
+class Loop:
+    """The part of Session the watchdog reads: policy, agent, what blocks, the last step."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self.agent = Agent()
+        self._blocked: tuple[int, float, float, str] | None = None
+        self._step = 7
+        self.restarts: queue.Queue[tuple[float, str]] = queue.Queue()
+
+    def _restart_process(self, reason: str) -> None:
+        self.restarts.put((time.monotonic(), reason))
+        threading.Event().wait()  # never returns, as the real one ends the process (a daemon thread)
+
+
+def watched(policy: Policy) -> Loop:
+    loop = Loop(policy)
+    threading.Thread(target=Session._watchdog, args=(loop,), daemon=True).start()
+    return loop
+
+
+def until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_blocked_step_is_reported_once_and_a_new_epoch_ends_it_after_its_grace() -> None:
+    loop = watched(Policy(stall_report_s=0.3, stuck_step_exit_s=0.4))
+    began = time.monotonic()
+    loop._blocked = (1, began, 0.4, "step")
+
+    until(lambda: bool(loop.agent.stalls))
+    time.sleep(0.5)  # the same blocked step is not reported twice
+    assert len(loop.agent.stalls) == 1
+    epoch, step, blocked_s = loop.agent.stalls[0]
+    assert (epoch, step) == (1, 7) and blocked_s >= 0.3
+    assert loop.restarts.empty()  # no newer epoch: a slow step is not a dead peer
+
+    announced = loop.agent.publish(2)
+    at, reason = loop.restarts.get(timeout=10)
+    assert at - announced >= 0.4  # never before the grace has passed
+    assert "epoch 2 was announced" in reason and "step of epoch 1" in reason
+
+
+def test_nothing_blocked_means_no_restart_and_a_few_wakeups() -> None:
+    loop = watched(Policy(stall_report_s=1.0, stuck_step_exit_s=0.5, stuck_join_exit_s=2.0))
+    time.sleep(0.3)
+    loop.agent.publish(2)  # nothing is blocked: the loop will see the epoch at its next step
+    time.sleep(1.2)
+    assert loop.restarts.empty() and not loop.agent.stalls
+    # It slept until something could be due (0.5 s at the soonest), not every few milliseconds.
+    assert loop.agent.waits <= 6
+
+
+def test_work_that_began_after_the_announcement_gets_its_whole_grace() -> None:
+    loop = watched(Policy(stall_report_s=5.0, stuck_step_exit_s=0.3, stuck_join_exit_s=0.6))
+    loop.agent.publish(2)
+    time.sleep(0.4)
+    began = time.monotonic()
+    loop._blocked = (1, began, 0.6, "leaving")  # e.g. waiting for a snapshot of the old epoch
+    at, reason = loop.restarts.get(timeout=10)
+    assert at - began >= 0.6
+    assert reason.startswith("leaving of epoch 1")
