@@ -9,7 +9,9 @@ Both jobs are --hosts processes of 2 virtual CPU devices each, FSDP over all of 
 is the interval between consecutive steps completed on process 0 (both loops read a step's loss
 once the next step is dispatched); the first --warmup steps of every run (compiling) are left out.
 Prints a table and, as its last line, a JSON object with overhead_ratio (remesh / plain, of the
-median step times), state_mb, snapshot_every, plain_step_s_p50, remesh_step_s_p50 and the rest.
+median step times), overhead_ratio_mean (of the mean step times: it counts the steps a snapshot or
+a checkpoint slows, which the median leaves out), state_mb, snapshot_every, plain_step_s_p50,
+remesh_step_s_p50 and the rest.
 """
 
 from __future__ import annotations
@@ -49,13 +51,21 @@ def model_args(args: argparse.Namespace) -> list[str]:
     ]  # fmt: skip
 
 
-def step_times(metrics: Path, warmup: int) -> list[float]:
-    """Seconds between consecutive completed steps of process 0, after the first ``warmup``. The last
-    step is left out: the loops write it once the run has ended (remesh's after its final barrier)."""
+def step_times(metrics: Path, warmup: int) -> dict[int, float]:
+    """Step -> seconds since the step before completed, on process 0, after the first ``warmup``. The
+    last step is left out: the loops write it once the run has ended (remesh's after its final
+    barrier)."""
     lines = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     times = {int(r["step"]): float(r["t"]) for r in lines}
     steps = sorted(s for s in times if warmup < s < max(times))
-    return [times[s] - times[s - 1] for s in steps if s - 1 in times]
+    return {s: times[s] - times[s - 1] for s in steps if s - 1 in times}
+
+
+def beside_background(step: int, args: argparse.Namespace) -> bool:
+    """Whether remesh's background work runs beside ``step``: a snapshot (and buddy copy) or a
+    checkpoint of it, or of the step before (the one the loop waits for while it runs)."""
+    every = [k for k in (args.snapshot_every, args.checkpoint_every) if k]
+    return any(step % k in (0, 1) for k in every)
 
 
 class CpuWatch:
@@ -101,7 +111,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def plain_run(tmp: Path, args: argparse.Namespace) -> tuple[list[float], dict[str, float]]:
+def plain_run(tmp: Path, args: argparse.Namespace) -> tuple[dict[int, float], dict[str, float]]:
     """Step times of a plain run, and the cores its trainers used while they were timed."""
     metrics = tmp / f"plain-{uuid.uuid4().hex[:6]}.jsonl"
     watch = CpuWatch()
@@ -135,7 +145,7 @@ def plain_run(tmp: Path, args: argparse.Namespace) -> tuple[list[float], dict[st
 
 def remesh_run(
     tmp: Path, redis_url: str, redis_pid: int, args: argparse.Namespace
-) -> tuple[list[float], dict[str, float], dict[str, float]]:
+) -> tuple[dict[int, float], dict[str, float], dict[str, float]]:
     """Step times of a run under remesh, its trainers' statistics, and the cores its trainers,
     agents, coordinator and Redis used while the steps were timed."""
     job = f"overhead-{uuid.uuid4().hex[:8]}"
@@ -250,8 +260,9 @@ def main() -> int:
         f"remesh: fsdp state of {mb:.0f} MiB (d_model {args.d_model}) over {args.hosts} hosts x 2 devices; "
         f"{args.rounds} rounds of {args.steps} steps, plain then remesh"
     )
-    plain: list[float] = []
-    under: list[float] = []
+    # (step, seconds) of every step timed, of every run of each loop.
+    plain_steps: list[tuple[int, float]] = []
+    remesh_steps: list[tuple[int, float]] = []
     stats: list[dict[str, float]] = []
     plain_cpu: list[dict[str, float]] = []
     remesh_cpu: list[dict[str, float]] = []
@@ -263,28 +274,45 @@ def main() -> int:
         for r in range(args.rounds):
             t = time.monotonic()
             times, cpu = plain_run(tmp, args)
-            plain += times
+            plain_steps += times.items()
             plain_cpu.append(cpu)
             progress(
-                f"  round {r + 1}/{args.rounds}: plain  {statistics.median(times):.3f} s/step ({time.monotonic() - t:.0f} s)"
+                f"  round {r + 1}/{args.rounds}: plain  {statistics.median(times.values()):.3f} s/step ({time.monotonic() - t:.0f} s)"
             )
             t = time.monotonic()
             assert redis.process is not None
             times, s, cpu = remesh_run(tmp, redis.url, redis.process.pid, args)
-            under += times
+            remesh_steps += times.items()
             stats.append(s)
             remesh_cpu.append(cpu)
             progress(
-                f"  round {r + 1}/{args.rounds}: remesh {statistics.median(times):.3f} s/step ({time.monotonic() - t:.0f} s)"
+                f"  round {r + 1}/{args.rounds}: remesh {statistics.median(times.values()):.3f} s/step ({time.monotonic() - t:.0f} s)"
             )
+    plain, under = [t for _, t in plain_steps], [t for _, t in remesh_steps]
     p50_plain, p50_remesh = statistics.median(plain), statistics.median(under)
     ratio = p50_remesh / p50_plain
+    # The mean counts what the median leaves out: the steps a snapshot or a checkpoint slows down.
+    mean_ratio = statistics.mean(under) / statistics.mean(plain)
     print()
-    print(f"{'loop':<10}{'step p50 (s)':>14}{'p90 (s)':>10}{'steps':>8}")
+    print(f"{'loop':<10}{'step p50 (s)':>14}{'mean (s)':>10}{'p90 (s)':>10}{'steps':>8}")
     for name, values in (("plain", plain), ("remesh", under)):
         p90 = statistics.quantiles(values, n=10)[-1] if len(values) > 1 else values[0]
-        print(f"{name:<10}{statistics.median(values):>14.4f}{p90:>10.4f}{len(values):>8}")
-    print(f"overhead ratio (remesh / plain): {ratio:.3f}")
+        print(
+            f"{name:<10}{statistics.median(values):>14.4f}{statistics.mean(values):>10.4f}{p90:>10.4f}{len(values):>8}"
+        )
+    print(f"overhead ratio (remesh / plain): {ratio:.3f} of the medians, {mean_ratio:.3f} of the means")
+    # Where the means part: the steps background work runs beside, against the others (and the
+    # plain loop's same steps, which have none: the control).
+    split = {}
+    for name, steps in (("plain", plain_steps), ("remesh", remesh_steps)):
+        beside = [t for step, t in steps if beside_background(step, args)]
+        other = [t for step, t in steps if not beside_background(step, args)]
+        split[name] = (statistics.median(beside) if beside else 0.0, statistics.median(other))
+    print(
+        "step p50 beside remesh's background work (a snapshot, buddy copy or checkpoint of it or of "
+        f"the step before) / the other steps: remesh {split['remesh'][0]:.4f} / {split['remesh'][1]:.4f} s, "
+        f"plain {split['plain'][0]:.4f} / {split['plain'][1]:.4f} s"
+    )
     print(
         f"remesh, per run: snapshots skipped {statistics.median(s['snapshots_skipped'] for s in stats):.0f}, "
         f"background snapshot time {statistics.median(s['snapshot_s'] for s in stats):.2f} s, "
@@ -303,6 +331,8 @@ def main() -> int:
     )
     result = {
         "overhead_ratio": round(ratio, 4),
+        "overhead_ratio_mean": round(mean_ratio, 4),
+        "overhead_ratio_steps_without_background_work": round(split["remesh"][1] / split["plain"][1], 4),
         "state_mb": round(mb, 1),
         "snapshot_every": args.snapshot_every,
         "checkpoint_every": args.checkpoint_every,
