@@ -301,18 +301,25 @@ def main() -> int:
             f"{name:<10}{statistics.median(values):>14.4f}{statistics.mean(values):>10.4f}{p90:>10.4f}{len(values):>8}"
         )
     print(f"overhead ratio (remesh / plain): {ratio:.3f} of the medians, {mean_ratio:.3f} of the means")
+
     # Where the means part: the steps background work runs beside, against the others (and the
     # plain loop's same steps, which have none: the control).
-    split = {}
+    # (With snapshots every step or two, every step has some: there are no others.)
+    def p50(values: list[float]) -> str:
+        return f"{statistics.median(values):.4f}" if values else "-"
+
+    split: dict[str, tuple[list[float], list[float]]] = {}
     for name, steps in (("plain", plain_steps), ("remesh", remesh_steps)):
-        beside = [t for step, t in steps if beside_background(step, args)]
-        other = [t for step, t in steps if not beside_background(step, args)]
-        split[name] = (statistics.median(beside) if beside else 0.0, statistics.median(other))
+        split[name] = (
+            [t for step, t in steps if beside_background(step, args)],
+            [t for step, t in steps if not beside_background(step, args)],
+        )
     print(
         "step p50 beside remesh's background work (a snapshot, buddy copy or checkpoint of it or of "
-        f"the step before) / the other steps: remesh {split['remesh'][0]:.4f} / {split['remesh'][1]:.4f} s, "
-        f"plain {split['plain'][0]:.4f} / {split['plain'][1]:.4f} s"
+        f"the step before) / the other steps: remesh {p50(split['remesh'][0])} / {p50(split['remesh'][1])} s, "
+        f"plain {p50(split['plain'][0])} / {p50(split['plain'][1])} s"
     )
+    quiet = split["remesh"][1], split["plain"][1]
     print(
         f"remesh, per run: snapshots skipped {statistics.median(s['snapshots_skipped'] for s in stats):.0f}, "
         f"background snapshot time {statistics.median(s['snapshot_s'] for s in stats):.2f} s, "
@@ -332,7 +339,9 @@ def main() -> int:
     result = {
         "overhead_ratio": round(ratio, 4),
         "overhead_ratio_mean": round(mean_ratio, 4),
-        "overhead_ratio_steps_without_background_work": round(split["remesh"][1] / split["plain"][1], 4),
+        "overhead_ratio_steps_without_background_work": (
+            round(statistics.median(quiet[0]) / statistics.median(quiet[1]), 4) if all(quiet) else None
+        ),
         "state_mb": round(mb, 1),
         "snapshot_every": args.snapshot_every,
         "checkpoint_every": args.checkpoint_every,
