@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import signal
 import stat
+import threading
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +18,8 @@ from pathlib import Path
 
 import grpc
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 
 from remesh.cli.certs import DevPki
 from remesh.coordinator.auth import POLICY, decide, identity_of
@@ -241,6 +244,36 @@ def test_the_trainers_local_api_is_a_socket_only_the_agents_user_can_reach(job: 
 
 
 @pytest.mark.integration
+def test_threads_asking_for_the_same_identity_at_once_get_one_matching_key_and_certificate(
+    tmp_path: Path,
+) -> None:
+    """The demo's event follower and status poller ask for the operator's files together on a fresh
+    CA: each gets them (no thread fails on the other's half-done issue), and the key on disk is the
+    one the certificate was issued for."""
+    pki = DevPki(tmp_path / "ca")
+    start = threading.Barrier(8)
+    failures: list[BaseException] = []
+
+    def ask() -> None:
+        start.wait()
+        try:
+            pki.tls(Role.OPERATOR, "operator")
+        except BaseException as exc:  # any failure is the finding
+            failures.append(exc)
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+    tls = pki.tls(Role.OPERATOR, "operator")
+    cert = x509.load_pem_x509_certificate(tls.cert_file.read_bytes())
+    key = serialization.load_pem_private_key(tls.key_file.read_bytes(), password=None)
+    assert cert.public_key().public_numbers() == key.public_key().public_numbers()  # type: ignore[union-attr]
+    assert not list((tmp_path / "ca").glob("*.tmp"))  # no writer's leftovers
+
+
 def test_the_coordinator_takes_rotated_certificate_files_without_a_restart(
     cluster: Cluster, tmp_path: Path
 ) -> None:

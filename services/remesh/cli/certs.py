@@ -10,7 +10,8 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cryptography import x509
@@ -40,7 +41,8 @@ _CA_USAGE = x509.KeyUsage(
 
 def _write(path: Path, data: bytes, private: bool = False) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
+    # Named for this writer: two writers of the same file must not rename each other's.
+    tmp = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
     with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644), "wb") as f:
         f.write(data)
     tmp.replace(path)  # a reader (a server re-reading on rotation) sees the old file or the new one
@@ -59,6 +61,9 @@ class DevPki:
     directory: Path
     trust_domain: str = TRUST_DOMAIN
     days: int = 30
+    # Threads asking for the same identity at once (the demo's event follower and its status poller)
+    # get one key and one certificate, issued once: not a key of one and a certificate of the other.
+    _issuing: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.directory = Path(self.directory)
@@ -99,8 +104,9 @@ class DevPki:
         identity = Identity(role, name)
         cert_file = self.directory / f"{role.value}-{name}.pem"
         key_file = self.directory / f"{role.value}-{name}-key.pem"
-        if not (cert_file.is_file() and key_file.is_file()):
-            self.issue(identity, cert_file, key_file, dns)
+        with self._issuing:
+            if not (cert_file.is_file() and key_file.is_file()):
+                self.issue(identity, cert_file, key_file, dns)
         return Tls(self.ca_file, cert_file, key_file)
 
     def issue(self, identity: Identity, cert_file: Path, key_file: Path, dns: tuple[str, ...] = ()) -> None:
