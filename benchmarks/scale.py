@@ -7,7 +7,8 @@ coordinator: the figures are the coordinator's on a machine that is also running
 
 Per size: heartbeat ingest rate, coordinator CPU (cores, over a steady window), Redis memory, crash
 detection (SIGKILL-like: a simulated agent's connection closes -> member_dead), silent detection (an
-agent stops sending -> member_dead), false positives (anyone else declared dead), fan-out (the new
+agent stops sending -> member_dead), false positives (anyone else declared dead; their declarations
+counted by phase, forming / steady / correlated, and by reason, stream broke / silence), fan-out (the new
 epoch's topology event -> every simulated agent holding it), and one correlated failure (a tenth of
 the active hosts at once: epochs published, time to the new epoch live).
 
@@ -37,6 +38,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -228,7 +230,8 @@ class Run:
 def measure(run: Run, crashes: int, silents: int, rng: random.Random) -> dict[str, Any]:
     started = time.time()
     run.start()
-    progress(f"  {run.hosts} hosts: formed in {time.time() - started:.0f}s; steady window")
+    formed = time.time()
+    progress(f"  {run.hosts} hosts: formed in {formed - started:.0f}s; steady window")
     result: dict[str, Any] = {"hosts": run.hosts, "heartbeat_interval_s": run.interval}
     result.update(run.steady(10.0))
     lost: set[str] = set()
@@ -264,7 +267,17 @@ def measure(run: Run, crashes: int, silents: int, rng: random.Random) -> dict[st
     )
     time.sleep(3.0)  # anything late would show now
     epochs = [e for e in run.events([pb.EVENT_TYPE_TOPOLOGY_CHANGED]) if e.epoch > before]
-    dead = {e.host_id for e in run.events([pb.EVENT_TYPE_MEMBER_DEAD])}
+    dead_events = run.events([pb.EVENT_TYPE_MEMBER_DEAD])
+    dead = {e.host_id for e in dead_events}
+    # When, and why, healthy hosts were declared dead: forming the job, the steady window and the
+    # single failures, or the correlated failure and what followed it.
+    false_by_phase: Counter[str] = Counter()
+    false_by_reason: Counter[str] = Counter()
+    for e in dead_events:
+        if e.host_id in lost:
+            continue
+        false_by_phase["forming" if e.time < formed else "steady" if e.time < t else "correlated"] += 1
+        false_by_reason["stream broke" if "stream broke" in e.reason else "silence"] += 1
     # Suspicions of hosts that never failed: not false positives (nobody was replaced), but how near
     # the detector came to them.
     suspected = {e.host_id for e in run.events([pb.EVENT_TYPE_MEMBER_SUSPECT])} - lost
@@ -275,6 +288,9 @@ def measure(run: Run, crashes: int, silents: int, rng: random.Random) -> dict[st
             "silent_detect_p99_s": round(percentile(silent, 99), 3),
             "fanout_p99_s": round(max(fanout), 3),
             "false_positives": len(dead - lost),
+            # Declarations, not hosts: a host declared dead twice counts twice here.
+            "false_declarations_by_phase": dict(false_by_phase),
+            "false_declarations_by_reason": dict(false_by_reason),
             "healthy_hosts_suspected": len(suspected),
             "correlated_failure_hosts": len(victims),
             "epochs_for_correlated_failure": len(epochs),
@@ -286,6 +302,11 @@ def measure(run: Run, crashes: int, silents: int, rng: random.Random) -> dict[st
         }
     )
     progress(f"  {run.hosts} hosts: the simulated agents met {result['agent_trouble'] or 'no trouble'}")
+    if false_by_phase:
+        progress(
+            f"  {run.hosts} hosts: healthy hosts declared dead, by phase {dict(false_by_phase)}, "
+            f"by reason {dict(false_by_reason)}"
+        )
     return result
 
 
