@@ -265,7 +265,15 @@ class DemoRun:
     def _follow_events(self, address: str) -> None:
         while not self._stop.is_set():
             assert self.cluster is not None
-            channel = self.cluster.channel(address=address)
+            try:
+                channel = self.cluster.channel(address=address)
+            except OSError as exc:
+                # Its certificate files unreadable for a moment: a thread that ended here left the
+                # demo waiting for events that never came, until its start-up timeout.
+                log.warning("cannot open a channel to follow the event log; retrying", error=str(exc))
+                if self._stop.wait(0.2):
+                    return
+                continue
             try:
                 after = self.events[-1]["id"] if self.events else ""
                 call = pb_grpc.CoordinatorStub(channel).ReplayEvents(
