@@ -51,12 +51,16 @@ def model_args(args: argparse.Namespace) -> list[str]:
     ]  # fmt: skip
 
 
-def step_times(metrics: Path, warmup: int) -> dict[int, float]:
-    """Step -> seconds since the step before completed, on process 0, after the first ``warmup``. The
-    last step is left out: the loops write it once the run has ended (remesh's after its final
-    barrier)."""
+def completions(metrics: Path) -> dict[int, float]:
+    """Step -> when process 0 completed it (wall clock), from a run's metrics file."""
     lines = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    times = {int(r["step"]): float(r["t"]) for r in lines}
+    return {int(r["step"]): float(r["t"]) for r in lines}
+
+
+def step_times(times: dict[int, float], warmup: int) -> dict[int, float]:
+    """Step -> seconds since the step before completed (``times``: ``completions``), after the first
+    ``warmup``. The last step is left out: the loops write it once the run has ended (remesh's after
+    its final barrier)."""
     steps = sorted(s for s in times if warmup < s < max(times))
     return {s: times[s] - times[s - 1] for s in steps if s - 1 in times}
 
@@ -96,10 +100,8 @@ class CpuWatch:
         return used / max(1e-9, end - start)
 
 
-def timed_window(metrics: Path, warmup: int) -> tuple[float, float]:
+def timed_window(times: dict[int, float], warmup: int) -> tuple[float, float]:
     """From the last untimed step (the warm-up's end) to the last step timed (``step_times``)."""
-    lines = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    times = {int(r["step"]): float(r["t"]) for r in lines}
     last = max(times)
     timed = [s for s in times if warmup <= s < last]
     return times[min(timed)], times[max(timed)]
@@ -139,8 +141,9 @@ def plain_run(tmp: Path, args: argparse.Namespace) -> tuple[dict[int, float], di
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    start, end = timed_window(metrics, args.warmup)
-    return step_times(metrics, args.warmup), {"trainers": watch.cores("trainers", start, end)}
+    times = completions(metrics)
+    start, end = timed_window(times, args.warmup)
+    return step_times(times, args.warmup), {"trainers": watch.cores("trainers", start, end)}
 
 
 def remesh_run(
@@ -211,9 +214,10 @@ def remesh_run(
             k: float(last.get(k, 0.0))
             for k in ("snapshot_s", "snapshots_skipped", "checkpoint_wait_s", "buddy_copies", "buddy_wait_s")
         }
-        start, end = timed_window(Path(metrics), args.warmup)  # type: ignore[arg-type]
+        times = completions(Path(metrics))  # type: ignore[arg-type]
+        start, end = timed_window(times, args.warmup)
         cpu = {kind: watch.cores(kind, start, end) for kind in ("trainers", "agents", "coordinator", "redis")}
-        return step_times(Path(metrics), args.warmup), stats, cpu  # type: ignore[arg-type]
+        return step_times(times, args.warmup), stats, cpu
     except BaseException:
         progress(f"remesh: the remesh run did not finish; its logs end with:\n{cluster.log_tails()}")
         raise

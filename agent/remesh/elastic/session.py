@@ -672,8 +672,9 @@ class Session:
 
     def _watchdog(self) -> None:
         """Report a step blocked past ``stall_after``; end the process when blocking work outlives a
-        new epoch by its grace. Sleeps until the nearest of those moments, or until the agent's
-        assignment changes: no polling beside a healthy step."""
+        new epoch by its grace. Sleeps until the nearest of those moments (at most the shortest
+        threshold: work that begins meanwhile is due no sooner), or until the agent's assignment
+        changes: a few wake-ups a second beside a healthy step, not twenty."""
         stall_after = self.policy.stall_report_s or self.policy.collective_timeout_s / 2
         graces = [g for g in (self.policy.stuck_step_exit_s, self.policy.stuck_join_exit_s) if g is not None]
         # Nothing blocked: work that begins now is due no sooner than this.
