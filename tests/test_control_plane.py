@@ -17,7 +17,9 @@ import grpc
 import pytest
 
 from remesh.coordinator.model import ClusterState, Event, EventType, replay
-from remesh.coordinator.settings import DetectorSettings
+from remesh.coordinator.model import Role as MemberRole
+from remesh.coordinator.service import Coordinator
+from remesh.coordinator.settings import DetectorSettings, PlannerSettings, Settings
 from remesh.coordinator.store import RedisStore
 from remesh.embedded import RedisServer
 from remesh.v1 import coordinator_pb2 as pb
@@ -491,6 +493,42 @@ def test_the_last_step_is_stored_before_the_job_is_said_finished(cluster: Cluste
     finally:
         for host in hosts:
             host.stop()
+
+
+def test_a_last_step_heard_before_finish_is_stored_with_it(redis_server: RedisServer, job_id: str) -> None:
+    """The beat carrying the last step arrived first and waits in memory for the next progress
+    flush (every second): Finish stores it, and every other dirty step, before the job is finished."""
+
+    async def scenario() -> dict[str, int]:
+        settings = Settings(job_id=job_id, redis_url=redis_server.url, planner=PlannerSettings(world_size=2))
+        coordinator = Coordinator(settings, RedisStore(redis_server.url, job_id))
+        await coordinator.start()
+        try:
+            a = await coordinator.register("host-a", MemberRole.ACTIVE, 1, "10.0.0.1")
+            b = await coordinator.register("host-b", MemberRole.ACTIVE, 1, "10.0.0.2")
+            for member in (a, b):
+                await coordinator.heartbeat(member.host_id, member.incarnation, -1)
+            for _ in range(250):
+                if coordinator.state.topology is not None:
+                    break
+                await asyncio.sleep(0.02)
+            epoch = coordinator.state.epoch
+            assert epoch >= 1, "no epoch formed"
+            for member in (a, b):
+                await coordinator.ack_epoch(member.host_id, member.incarnation, epoch, 0, "fresh", {})
+            await coordinator.heartbeat("host-a", a.incarnation, 300)
+            await coordinator.heartbeat("host-b", b.incarnation, 300)
+            await coordinator.finish("host-a", a.incarnation, epoch, 300)
+            assert coordinator.state.finished
+            store = RedisStore(redis_server.url, job_id)
+            try:
+                return await store.read_progress()
+            finally:
+                await store.close()
+        finally:
+            await coordinator.stop()
+
+    assert asyncio.run(scenario()) == {"host-a": 300, "host-b": 300}
 
 
 def stored_steps(cluster: Cluster) -> dict[str, int]:

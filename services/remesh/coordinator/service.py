@@ -802,14 +802,16 @@ class Coordinator:
 
     async def finish(self, host_id: str, incarnation: int, epoch: int, step: int) -> None:
         """A member completed the job's last step. Its step is stored before the job is said finished:
-        the heartbeat that carried it may still be on its way (it races this call), and whoever reads
-        ``job_finished`` in the log must find the last step in the store too."""
+        the heartbeat that carried it may still be on its way (it races this call), or it arrived and
+        waits in memory for the next progress flush; whoever reads ``job_finished`` in the log must
+        find the last step in the store too."""
         if not self.leading:
             raise self.not_leader()
         membership.current_member(self.state, host_id, incarnation, self._max_id)
         if not self.state.finished and epoch == self.state.epoch and step > self._steps.get(host_id, -1):
             self._steps[host_id] = step
             self._dirty_steps[host_id] = step
+        if not self.state.finished and self._dirty_steps:
             try:
                 await self._flush_progress()
             except Fenced as exc:
