@@ -531,6 +531,38 @@ def test_a_last_step_heard_before_finish_is_stored_with_it(redis_server: RedisSe
     assert asyncio.run(scenario()) == {"host-a": 300, "host-b": 300}
 
 
+def test_a_registration_whose_caller_went_away_before_its_commit_is_not_stored(
+    redis_server: RedisServer, job_id: str
+) -> None:
+    """In a registration storm a caller's deadline can run out while its registration waits for the
+    next batch commit: nothing is stored for it (a member nobody heartbeats for would be declared dead
+    by silence a timeout later), and the registrations committed beside it are."""
+
+    async def scenario() -> tuple[set[str], list[Event]]:
+        settings = Settings(job_id=job_id, redis_url=redis_server.url)
+        coordinator = Coordinator(settings, RedisStore(redis_server.url, job_id))
+        await coordinator.start()
+        try:
+            gone = asyncio.create_task(coordinator.register("gone", MemberRole.ACTIVE, 1, "10.0.0.1"))
+            stays = asyncio.create_task(coordinator.register("stays", MemberRole.ACTIVE, 1, "10.0.0.2"))
+            await asyncio.sleep(0)  # both are queued for the same commit, which has not started
+            gone.cancel()
+            member = await stays
+            assert member.host_id == "stays" and gone.cancelled()
+            store = RedisStore(redis_server.url, job_id)
+            try:
+                state, _ = await store.load()
+                return set(state.members), await store.read_events()
+            finally:
+                await store.close()
+        finally:
+            await coordinator.stop()
+
+    members, events = asyncio.run(scenario())
+    assert members == {"stays"}
+    assert [e.host_id for e in events if e.type is EventType.MEMBER_JOINED] == ["stays"]
+
+
 def stored_steps(cluster: Cluster) -> dict[str, int]:
     async def read() -> dict[str, int]:
         store = RedisStore(cluster.redis_url, cluster.job)

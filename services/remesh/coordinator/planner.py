@@ -97,6 +97,16 @@ def plan(
         return Decision(Kind.NONE, f"job halted: {topology.reason}")
     if state.finished:
         return Decision(Kind.NONE, f"job finished at step {state.finished_step}")
+    if topology is None:
+        # Counted before anything is sorted: a forming job of thousands is planned once per commit of
+        # its registrations and first heartbeats, and only the last of those plans forms it.
+        ready = sum(
+            1 for m in state.members.values() if m.state is MemberState.ALIVE and m.role is Role.ACTIVE
+        )
+        if ready < settings.world_size:
+            return Decision(
+                Kind.NONE, f"forming: {ready} of {settings.world_size} hosts registered and alive"
+            )
     up = sorted(
         (m for m in state.members.values() if m.state is MemberState.ALIVE),
         key=lambda m: natural_key(m.host_id),
@@ -104,10 +114,6 @@ def plan(
 
     if topology is None:
         eligible = [m.host_id for m in up if m.role is Role.ACTIVE]
-        if len(eligible) < settings.world_size:
-            return Decision(
-                Kind.NONE, f"forming: {len(eligible)} of {settings.world_size} hosts registered and alive"
-            )
         hosts = tuple(eligible[: settings.world_size])
         return Decision(Kind.FORM, f"formed with {len(hosts)} hosts", hosts=hosts, restore_step=-1)
 

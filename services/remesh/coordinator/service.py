@@ -760,6 +760,13 @@ class Coordinator:
                 events: list[Event] = []
                 answers: list[tuple[bool, Any]] = []
                 for queued in batch:
+                    if queued.answer.done():
+                        # Its caller went away before the commit (a deadline ran out in a registration
+                        # storm, a cancelled call): nothing is done on its behalf. A registration
+                        # stored for nobody would wait for heartbeats that never come and be
+                        # declared dead by silence.
+                        answers.append((False, None))
+                        continue
                     try:
                         found, answer = queued.transition(s, now)
                     except CoordinatorError as exc:

@@ -241,10 +241,14 @@ class RedisStore:
             else {
                 h: json.dumps(m.to_dict(), sort_keys=True)
                 for h, m in after.members.items()
-                if before.members.get(h) != m
+                # A member no event touched is the same object: compared by identity first, since
+                # comparing records field by field costs each commit the whole fleet.
+                if (old := before.members.get(h)) is not m and old != m
             },
             "topology": json.dumps(after.topology.to_dict(), sort_keys=True)
-            if after.topology is not None and after.topology != before.topology
+            if after.topology is not None
+            and after.topology is not before.topology
+            and after.topology != before.topology
             else "",
             "meta": {},
             "acks": acks,
