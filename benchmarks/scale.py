@@ -307,6 +307,10 @@ def measure(run: Run, crashes: int, silents: int, rng: random.Random) -> dict[st
             f"  {run.hosts} hosts: healthy hosts declared dead, by phase {dict(false_by_phase)}, "
             f"by reason {dict(false_by_reason)}"
         )
+        # The story of a few of them, from the log: what they did before they were declared dead.
+        for host in sorted(dead - lost)[:3]:
+            story = [e for e in run.events(list(pb.EventType.values())) if e.host_id == host]
+            progress(f"  {host}: " + "; ".join(f"+{e.time - started:.1f}s {e.reason}" for e in story[:8]))
     return result
 
 
