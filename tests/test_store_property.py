@@ -38,7 +38,7 @@ from remesh.coordinator import membership
 from remesh.coordinator.detector import Liveness, Verdict, judge
 from remesh.coordinator.errors import Conflict, CoordinatorError
 from remesh.coordinator.membership import FaultKind
-from remesh.coordinator.model import ClusterState, Event, EventType, MemberState, Role, replay
+from remesh.coordinator.model import ClusterState, Event, EventType, MemberState, Role, replay, tally
 from remesh.coordinator.planner import Kind, plan, plan_events
 from remesh.coordinator.settings import DetectorSettings, PlannerSettings
 from remesh.coordinator.store import RedisStore
@@ -80,6 +80,8 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self.store = RedisStore(self.url, self.job_id, socket_timeout=10.0)
         self.planner = PLANNERS[0]
         self.state = ClusterState()
+        # The members counted by state and role as the coordinator keeps them: commit by commit.
+        self.tally = tally(self.state.members)
         self.rev = 0
         self.logged = 0
         self.now = 1_000.0
@@ -114,7 +116,8 @@ class CoordinatorMachine(RuleBasedStateMachine):
             assert len(self._run(self.store.read_events())) == self.logged
             return
         after = replay(events, self.state)
-        decision = plan(now, after, self.steps, self.planner)
+        ready = tally(after.members, self.tally, events).count(MemberState.ALIVE, Role.ACTIVE)
+        decision = plan(now, after, self.steps, self.planner, ready=ready)
         self.planned_at = now
         events = events + plan_events(now, after, decision, self.planner, self.job_id)
         if not events:
@@ -123,6 +126,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         assert new_state == replay(events, self.state)
         assert [replace(e, id="") for e in stored] == events
         assert all(e.id for e in stored)
+        self.tally = tally(new_state.members, self.tally, stored)
         self.state = new_state
         self.rev += 1
         self.logged += len(events)
@@ -300,6 +304,11 @@ class CoordinatorMachine(RuleBasedStateMachine):
         assert len(self._run(self.store.read_events())) == self.logged
 
     # ---- invariants --------------------------------------------------------------------------------
+
+    @invariant()
+    def the_kept_tally_is_a_count_from_scratch(self) -> None:
+        assert self.tally.of is self.state.members
+        assert self.tally.counts == tally(self.state.members).counts
 
     @invariant()
     def log_replays_to_the_stored_state(self) -> None:

@@ -89,9 +89,12 @@ def plan(
     steps: Mapping[str, int],
     settings: PlannerSettings,
     reached: int | None = None,
+    ready: int | None = None,
 ) -> Decision:
     """``reached``: the furthest step a member reported in the current epoch, where the caller tracked
-    it (a member that registered again reports -1 in ``steps``); else the furthest of ``steps``."""
+    it (a member that registered again reports -1 in ``steps``); else the furthest of ``steps``.
+    ``ready``: how many members are alive and active, where the caller keeps count
+    (``model.tally``); else they are counted here."""
     topology = state.topology
     if topology is not None and topology.halted:
         return Decision(Kind.NONE, f"job halted: {topology.reason}")
@@ -100,9 +103,10 @@ def plan(
     if topology is None:
         # Counted before anything is sorted: a forming job of thousands is planned once per commit of
         # its registrations and first heartbeats, and only the last of those plans forms it.
-        ready = sum(
-            1 for m in state.members.values() if m.state is MemberState.ALIVE and m.role is Role.ACTIVE
-        )
+        if ready is None:
+            ready = sum(
+                1 for m in state.members.values() if m.state is MemberState.ALIVE and m.role is Role.ACTIVE
+            )
         if ready < settings.world_size:
             return Decision(
                 Kind.NONE, f"forming: {ready} of {settings.world_size} hosts registered and alive"

@@ -17,8 +17,7 @@ import collections
 import contextlib
 import json
 import time
-from collections import Counter
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -44,8 +43,10 @@ from remesh.coordinator.model import (
     Member,
     MemberState,
     Role,
+    Tally,
     Topology,
     replay,
+    tally,
 )
 from remesh.coordinator.planner import Decision, Kind, plan, plan_events
 from remesh.coordinator.settings import Settings
@@ -181,7 +182,9 @@ class Coordinator:
         # only acknowledgements on it needs no plan: they change nothing a plan reads, and at 2000
         # hosts a new epoch is 2000 of them, each batch a sort of every member otherwise.
         self._settled: ClusterState | None = None
-        # The members mapping the member gauges were last counted from.
+        # The members counted by state and role, kept up to date commit by commit (``_tally_of``).
+        self._tally: Tally = tally({})
+        # The members mapping the member gauges were last set from.
         self._gauged_members: Mapping[str, Member] | None = None
         # Changes waiting for the next batch commit, and the task that commits them (``_batched``).
         self._queue: list[_Queued] = []
@@ -361,7 +364,10 @@ class Coordinator:
                     and all(e.type in _PLAN_NEUTRAL for e in events)
                 ):
                     after = replay(events, self.state)
-                    decision = plan(now, after, self._steps, self.settings.planner, self._epoch_reached)
+                    ready = self._tally_of(after, events).count(MemberState.ALIVE, Role.ACTIVE)
+                    decision = plan(
+                        now, after, self._steps, self.settings.planner, self._epoch_reached, ready
+                    )
                     # Held (a burst being collected) or waiting for a replacement: the clock alone
                     # will change the plan, so the detector asks again on every tick until it does.
                     self._replan = decision.kind in (Kind.HOLD, Kind.WAIT) or after.waiting_since is not None
@@ -374,7 +380,9 @@ class Coordinator:
                     self._settled = self.state
                     return [], answer
                 try:
-                    self.state, stored = await self.store.commit(self._rev, self.state, events)
+                    before = self.state
+                    self.state, stored = await self.store.commit(self._rev, before, events)
+                    self._tally = self._tally_of(self.state, stored, before)
                 except Conflict:
                     # Someone else wrote first: observe again and re-plan from what is stored.
                     log.warning("store changed under us; reloading", attempt=attempt)
@@ -444,10 +452,22 @@ class Coordinator:
     def _every_stream(self) -> list[AgentStream]:
         return [stream for streams in self._streams.values() for stream in streams]
 
+    def _tally_of(
+        self, state: ClusterState, events: Sequence[Event], since: ClusterState | None = None
+    ) -> Tally:
+        """``state``'s members counted by state and role, from the tally kept for ``since`` (the
+        current state by default) that ``events`` turned into ``state``; the kept tally is counted
+        afresh first when it is not ``since``'s (the state was loaded from the store)."""
+        base = since if since is not None else self.state
+        if self._tally.of is not base.members:
+            self._tally = tally(base.members)
+        return tally(state.members, self._tally, events)
+
     def _update_gauges(self) -> None:
         if self.state.members is not self._gauged_members:  # acknowledgements change no member
             self._gauged_members = self.state.members
-            self.metrics.set_members(Counter(m.state for m in self.state.members.values()))
+            counted = self._tally_of(self.state, ())
+            self.metrics.set_members({state: counted.count(state) for state in MemberState})
         self.metrics.epoch.set(self.state.epoch)
         topology = self.state.topology
         self.metrics.world_size.set(topology.world_size if topology else 0)
