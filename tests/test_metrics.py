@@ -129,6 +129,9 @@ def test_agents_and_trainers_publish_what_they_do_and_a_killed_trainer_is_counte
     served = scrape(metrics_port(coordinator))
     assert (value(served, "remesh_epoch") or 0) >= 1
     assert (value(served, "remesh_epoch_live_seconds_count") or 0) >= 1  # epoch 1 went live
+    # The first host's stream was open when epoch 1 was published: it was handed the epoch, at once.
+    handed = value(served, "remesh_topology_delivery_seconds_count") or 0
+    assert handed >= 1 and (value(served, "remesh_topology_delivery_seconds_sum") or 0) / handed < 1.0
 
     # The current epoch and why it exists, for the dashboard's annotations (value: published, in ms).
     # One series, the current epoch's (the killed trainer's host may have made a second one; read
