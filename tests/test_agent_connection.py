@@ -46,3 +46,19 @@ def test_the_pause_doubles_up_to_its_cap_and_a_registration_resets_it() -> None:
     assert [round(c.failed(), 3) for _ in range(5)] == [0.05, 0.1, 0.2, 0.3, 0.3]
     c.registered()
     assert c.failed() == 0.05
+
+
+def test_a_registration_that_ran_out_of_time_gets_twice_as_long_next_time_up_to_its_cap() -> None:
+    """A busy coordinator (a fleet registering at once) answers late: the deadline grows instead of
+    giving up on every answer; a registration brings it back to the short one."""
+    c = CoordinatorLink(
+        ["a:1"], keepalive_s=0.5, reconnect_initial_s=0.05, reconnect_max_s=0.3,
+        register_timeout_s=2.0, register_timeout_max_s=30.0,
+    )  # fmt: skip
+    deadlines = [c.register_timeout_s]
+    for _ in range(5):
+        c.registration_timed_out()
+        deadlines.append(c.register_timeout_s)
+    assert deadlines == [2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+    c.registered()
+    assert c.register_timeout_s == 2.0

@@ -45,12 +45,18 @@ class CoordinatorLink:
         keepalive_s: float,
         reconnect_initial_s: float,
         reconnect_max_s: float,
+        register_timeout_s: float = 2.0,
+        register_timeout_max_s: float = 30.0,
         tls: Tls | None = None,
     ) -> None:
         self.coordinators = list(coordinators)
         self.keepalive_s = keepalive_s
         self.reconnect_initial_s = reconnect_initial_s
         self.reconnect_max_s = reconnect_max_s
+        self.register_timeout_initial_s = register_timeout_s
+        self.register_timeout_max_s = register_timeout_max_s
+        # The deadline of the next registration: doubles after each one that ran out of time.
+        self.register_timeout_s = register_timeout_s
         # With TLS every channel checks the server holds a coordinator certificate of the job's CA,
         # so a leader hint naming any other server leads nowhere.
         self.tls = tls
@@ -97,7 +103,16 @@ class CoordinatorLink:
     def registered(self) -> None:
         """A coordinator accepted this agent: failures start counting afresh."""
         self.backoff = self.reconnect_initial_s
+        self.register_timeout_s = self.register_timeout_initial_s
         self._unreachable = ""
+
+    def registration_timed_out(self) -> None:
+        """A registration ran out of time. A coordinator that thousands of agents register with at
+        once answers each later than a lone one: with the same short deadline every time, an agent
+        would give up on every answer it was about to get (the coordinator stores nothing for a
+        caller that left), and a whole fleet could retry forever. The next registration gets twice as
+        long, up to the cap; a dead coordinator costs the short deadline only once per address."""
+        self.register_timeout_s = min(self.register_timeout_s * 2, self.register_timeout_max_s)
 
     def failed(self) -> float:
         """The current address did not answer: remember it, and return the pause before the next try."""

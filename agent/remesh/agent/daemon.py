@@ -151,6 +151,8 @@ class Agent:
             keepalive_s=settings.keepalive_s,
             reconnect_initial_s=settings.reconnect_initial_s,
             reconnect_max_s=settings.reconnect_max_s,
+            register_timeout_s=settings.coordinator_silence_s,
+            register_timeout_max_s=settings.register_timeout_max_s,
             tls=settings.tls,
         )
         self._stopping = asyncio.Event()
@@ -300,15 +302,20 @@ class Agent:
         """Register, then keep one heartbeat stream until it ends."""
         stub = self._connect()
         t_register = time.monotonic()
-        reply = await stub.Register(
-            pb.RegisterRequest(
-                host_id=self.settings.host_id,
-                role=pb.ROLE_SPARE if self.settings.spare else pb.ROLE_ACTIVE,
-                device_count=self.settings.device_count,
-                address=self.settings.address,
-            ),
-            timeout=self.settings.coordinator_silence_s,
-        )
+        try:
+            reply = await stub.Register(
+                pb.RegisterRequest(
+                    host_id=self.settings.host_id,
+                    role=pb.ROLE_SPARE if self.settings.spare else pb.ROLE_ACTIVE,
+                    device_count=self.settings.device_count,
+                    address=self.settings.address,
+                ),
+                timeout=self.link.register_timeout_s,
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                self.link.registration_timed_out()
+            raise
         self.link.registered()
         self.metrics.call("Register", time.monotonic() - t_register)
         self.metrics.registrations.inc()

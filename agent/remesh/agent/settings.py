@@ -43,6 +43,10 @@ class AgentSettings:
     # every 0.5 s) is taken for lost, as if the stream broke; also the deadline of a registration.
     # Below the 3 s a new leader grants every member, so agents of a stopped leader move in time.
     coordinator_silence_s: float = 2.0
+    # A registration that runs out of its deadline (at first ``coordinator_silence_s``) is sent again
+    # with twice as long, up to this: a fleet of thousands registering at once queues at its
+    # coordinator (benchmarks/scale.py), and a fixed short deadline would give up on every answer.
+    register_timeout_max_s: float = 30.0
     # A follower coordinator that knows no leader yet is asked again after this long: an election
     # takes a lease TTL, and a follower answers without touching Redis.
     leader_retry_s: float = 0.1
