@@ -90,6 +90,9 @@ class SimAgent:
         self._channel: grpc.aio.Channel | None = None
         self._acks: set[asyncio.Task[None]] = set()
         self.epoch = 0  # the newest epoch received
+        self._backoff = 0.05
+        self._register_timeout = 2.0
+        self._registering = False
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=self.host_id)
@@ -108,6 +111,9 @@ class SimAgent:
         self.speaking.set()
 
     async def _run(self) -> None:
+        # As an agent does (remesh.agent.connection.CoordinatorLink, with the agent's defaults): a
+        # pause doubling from 0.05 s to 1 s, jittered, and a registration deadline doubling from 2 s
+        # to 30 s after each that ran out; a registration resets both. A new channel each time.
         while not self.crashed:
             self._channel = aio_channel(self.address, self.tls)
             stub = pb_grpc.CoordinatorStub(self._channel)
@@ -115,16 +121,22 @@ class SimAgent:
                 await self._session(stub)
             except grpc.aio.AioRpcError as exc:
                 _emit({"stream_end": self.host_id, "code": exc.code().name})
-                await asyncio.sleep(0.2 + random.random() * 0.3)  # as an agent backs off
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self._registering:
+                    self._register_timeout = min(self._register_timeout * 2, 30.0)
+                pause, self._backoff = self._backoff, min(self._backoff * 2, 1.0)
+                await asyncio.sleep(pause * (0.5 + random.random()))
             finally:
                 await self._channel.close(grace=None)
 
     async def _session(self, stub: pb_grpc.CoordinatorStub) -> None:
         role = pb.ROLE_SPARE if self.spare else pb.ROLE_ACTIVE
+        self._registering = True
         reply = await stub.Register(
             pb.RegisterRequest(host_id=self.host_id, role=role, device_count=1, address="127.0.0.1"),
-            timeout=30,
+            timeout=self._register_timeout,
         )
+        self._registering = False
+        self._backoff, self._register_timeout = 0.05, 2.0
         incarnation = reply.member.incarnation
         interval = reply.heartbeat_interval_s or 1.0
         self.registered.set()
