@@ -46,7 +46,25 @@ class Metrics:
         self.delivery = Histogram(
             "remesh_topology_delivery_seconds",
             "From a topology's publication to its hand-over to one agent's heartbeat stream (one per stream)",
-            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0),
+            buckets=(
+                0.01,
+                0.025,
+                0.05,
+                0.1,
+                0.25,
+                0.5,
+                1.0,
+                1.5,
+                2.0,
+                2.5,
+                3.0,
+                4.0,
+                5.0,
+                7.5,
+                10.0,
+                15.0,
+                30.0,
+            ),
             registry=self.registry,
         )
         self.goodput = Gauge(
