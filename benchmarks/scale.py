@@ -72,6 +72,11 @@ def percentile(values: list[float], q: float) -> float:
 _AGAIN = (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
 
 
+def bucket_count(before: dict[float, float], after: dict[float, float]) -> int:
+    """How many observations a cumulative histogram counted between two scrapes."""
+    return int(after.get(math.inf, 0.0) - before.get(math.inf, 0.0))
+
+
 def bucket_p99(before: dict[float, float], after: dict[float, float]) -> float:
     """The upper bound of the bucket holding the 99th percentile of what a cumulative histogram
     counted between two scrapes (nan: nothing counted, or beyond the last finite bound)."""
@@ -276,10 +281,12 @@ def measure(run: Run, crashes: int, silents: int, rng: random.Random) -> dict[st
             lost.add(victim)
             (crash if kind == "crash" else silent).append(run.detection(victim, t))
             fanout.append(run.fanout(topology, run.up() - lost))
-            delivery.append(bucket_p99(handed, run.deliveries()))
+            now_handed = run.deliveries()
+            delivery.append(bucket_p99(handed, now_handed))
             progress(
                 f"  {run.hosts} hosts: {kind} {i + 1}/{count}: dead after {(crash if kind == 'crash' else silent)[-1]:.3f}s, "
-                f"fan-out p99 {fanout[-1]:.3f}s (handed to every stream by the coordinator: p99 <= {delivery[-1]} s)"
+                f"fan-out p99 {fanout[-1]:.3f}s (written to {bucket_count(handed, now_handed)} streams by the "
+                f"coordinator: p99 <= {delivery[-1]} s)"
             )
     members = [m.host_id for m in run.topology().members]
     victims = rng.sample(members, len(members) // 10)
@@ -289,15 +296,18 @@ def measure(run: Run, crashes: int, silents: int, rng: random.Random) -> dict[st
     lost |= set(victims)
     published_at = run.published_at(topology.epoch)
     correlated_fanout = run.fanout(topology, run.up() - lost)
-    correlated_delivery = bucket_p99(handed, run.deliveries())
+    now_handed = run.deliveries()
+    correlated_delivery = bucket_p99(handed, now_handed)
+    correlated_written = bucket_count(handed, now_handed)
     wait_for(
         lambda: run.live(topology.epoch), 120, "the epoch after the correlated failure live", interval=0.2
     )
     live_at = next(e.time for e in run.events([pb.EVENT_TYPE_EPOCH_LIVE]) if e.epoch == topology.epoch)
     progress(
         f"  {run.hosts} hosts: {len(victims)} crashed at once: epoch {topology.epoch} published after "
-        f"{published_at - t:.2f}s, at every survivor {correlated_fanout:.2f}s later (p99; handed to "
-        f"every stream by the coordinator: p99 <= {correlated_delivery} s), live after {live_at - t:.2f}s"
+        f"{published_at - t:.2f}s, at every survivor {correlated_fanout:.2f}s later (p99; written to "
+        f"{correlated_written} streams by the coordinator: p99 <= {correlated_delivery} s), live after "
+        f"{live_at - t:.2f}s"
     )
     time.sleep(3.0)  # anything late would show now
     epochs = [e for e in run.events([pb.EVENT_TYPE_TOPOLOGY_CHANGED]) if e.epoch > before]

@@ -45,7 +45,7 @@ class Metrics:
         )
         self.delivery = Histogram(
             "remesh_topology_delivery_seconds",
-            "From a topology's publication to its hand-over to one agent's heartbeat stream (one per stream)",
+            "From a topology's publication to its write on the heartbeat stream of an agent still sending (one per stream)",
             buckets=(
                 0.01,
                 0.025,

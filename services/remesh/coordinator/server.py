@@ -338,8 +338,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 if topology is not None and topology.epoch > sent.message.epoch:
                     encoded = self._encode(topology)
                     yield encoded.reply(sent.message if first.topology_deltas else None)
-                    # Handed to gRPC: how long this stream's agent waited on the coordinator for it.
-                    self._c.metrics.delivery.observe(max(0.0, time.time() - topology.created_at))
+                    # Written: how long this stream's agent waited on the coordinator for it. Only
+                    # for an agent still sending (a host that just failed is rung with the epoch
+                    # that replaces it before its handler sees its side end).
+                    if not reader.done():
+                        self._c.metrics.delivery.observe(max(0.0, time.time() - topology.created_at))
                     sent = encoded
                     continue
                 if stream.commands:
