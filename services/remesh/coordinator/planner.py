@@ -40,6 +40,7 @@ from remesh.coordinator.model import (
     Role,
     Topology,
     TopologyMember,
+    tally,
 )
 from remesh.coordinator.settings import PlannerSettings
 
@@ -104,9 +105,7 @@ def plan(
         # Counted before anything is sorted: a forming job of thousands is planned once per commit of
         # its registrations and first heartbeats, and only the last of those plans forms it.
         if ready is None:
-            ready = sum(
-                1 for m in state.members.values() if m.state is MemberState.ALIVE and m.role is Role.ACTIVE
-            )
+            ready = tally(state.members).count(MemberState.ALIVE, Role.ACTIVE)
         if ready < settings.world_size:
             return Decision(
                 Kind.NONE, f"forming: {ready} of {settings.world_size} hosts registered and alive"

@@ -364,7 +364,7 @@ class Coordinator:
                     and all(e.type in _PLAN_NEUTRAL for e in events)
                 ):
                     after = replay(events, self.state)
-                    ready = self._tally_of(after, events).count(MemberState.ALIVE, Role.ACTIVE)
+                    ready = self._ready(after, events)
                     decision = plan(
                         now, after, self._steps, self.settings.planner, self._epoch_reached, ready
                     )
@@ -463,6 +463,13 @@ class Coordinator:
             self._tally = tally(base.members)
         return tally(state.members, self._tally, events)
 
+    def _ready(self, state: ClusterState, events: Sequence[Event]) -> int | None:
+        """The alive active members of ``state`` for the planner, from the kept tally (``_tally_of``);
+        None once the job has formed (only a forming job's plan reads it)."""
+        if state.topology is not None:
+            return None
+        return self._tally_of(state, events).count(MemberState.ALIVE, Role.ACTIVE)
+
     def _update_gauges(self) -> None:
         if self.state.members is not self._gauged_members:  # acknowledgements change no member
             self._gauged_members = self.state.members
@@ -534,7 +541,14 @@ class Coordinator:
         # need a nudge without an event; only while one is pending (a plan sorts every member).
         if not self._replan:
             return
-        decision = plan(now, self.state, self._steps, self.settings.planner, self._epoch_reached)
+        decision = plan(
+            now,
+            self.state,
+            self._steps,
+            self.settings.planner,
+            self._epoch_reached,
+            self._ready(self.state, ()),
+        )
         if decision.kind not in (Kind.NONE, Kind.HOLD):
             await self._change(lambda s, t: [])
 
