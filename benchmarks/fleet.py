@@ -41,6 +41,8 @@ import grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from remesh.agent.connection import CoordinatorLink  # noqa: E402
+from remesh.agent.settings import AgentSettings  # noqa: E402
 from remesh.v1 import coordinator_pb2 as pb  # noqa: E402
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc  # noqa: E402
 from remesh.v1.security import Tls, aio_channel  # noqa: E402
@@ -90,8 +92,16 @@ class SimAgent:
         self._channel: grpc.aio.Channel | None = None
         self._acks: set[asyncio.Task[None]] = set()
         self.epoch = 0  # the newest epoch received
-        self._backoff = 0.05
-        self._register_timeout = 2.0
+        # The agent's own pauses and registration deadlines (its defaults), kept by the agent's link;
+        # the channels are this simulator's (no keepalive pings: thousands per process).
+        self._policy = CoordinatorLink(
+            [address],
+            keepalive_s=AgentSettings.keepalive_s,
+            reconnect_initial_s=AgentSettings.reconnect_initial_s,
+            reconnect_max_s=AgentSettings.reconnect_max_s,
+            register_timeout_s=AgentSettings.coordinator_silence_s,
+            register_timeout_max_s=AgentSettings.register_timeout_max_s,
+        )
         self._registering = False
 
     def start(self) -> None:
@@ -111,9 +121,8 @@ class SimAgent:
         self.speaking.set()
 
     async def _run(self) -> None:
-        # As an agent does (remesh.agent.connection.CoordinatorLink, with the agent's defaults): a
-        # pause doubling from 0.05 s to 1 s, jittered, and a registration deadline doubling from 2 s
-        # to 30 s after each that ran out; a registration resets both. A new channel each time.
+        # As an agent does: a pause doubling after each failure, jittered, and a registration
+        # deadline doubling after each that ran out; a registration resets both. A new channel each time.
         while not self.crashed:
             self._channel = aio_channel(self.address, self.tls)
             stub = pb_grpc.CoordinatorStub(self._channel)
@@ -122,9 +131,8 @@ class SimAgent:
             except grpc.aio.AioRpcError as exc:
                 _emit({"stream_end": self.host_id, "code": exc.code().name})
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self._registering:
-                    self._register_timeout = min(self._register_timeout * 2, 30.0)
-                pause, self._backoff = self._backoff, min(self._backoff * 2, 1.0)
-                await asyncio.sleep(pause * (0.5 + random.random()))
+                    self._policy.registration_timed_out()
+                await asyncio.sleep(self._policy.failed() * (0.5 + random.random()))
             finally:
                 await self._channel.close(grace=None)
 
@@ -133,10 +141,10 @@ class SimAgent:
         self._registering = True
         reply = await stub.Register(
             pb.RegisterRequest(host_id=self.host_id, role=role, device_count=1, address="127.0.0.1"),
-            timeout=self._register_timeout,
+            timeout=self._policy.register_timeout_s,
         )
         self._registering = False
-        self._backoff, self._register_timeout = 0.05, 2.0
+        self._policy.registered()
         incarnation = reply.member.incarnation
         interval = reply.heartbeat_interval_s or 1.0
         self.registered.set()

@@ -358,8 +358,9 @@ def measure(run: Run, crashes: int, silents: int, rng: random.Random) -> dict[st
             f"by reason {dict(false_by_reason)}"
         )
         # The story of a few of them, from the log: what they did before they were declared dead.
+        everything = run.events(list(pb.EventType.values()))
         for host in sorted(dead - lost)[:3]:
-            story = [e for e in run.events(list(pb.EventType.values())) if e.host_id == host]
+            story = [e for e in everything if e.host_id == host]
             progress(f"  {host}: " + "; ".join(f"+{e.time - started:.1f}s {e.reason}" for e in story[:8]))
     return result
 
