@@ -421,7 +421,11 @@ def main() -> int:
     )  # fmt: skip
     last: dict[str, Any] = dict.fromkeys(required)
     if results:
-        last = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in results[-1].items()}
+        # NaN (nothing measured of that kind, e.g. --silent 0) is null: not every JSON reader takes NaN.
+        last = {
+            k: (None if math.isnan(v) else round(v, 3)) if isinstance(v, float) else v
+            for k, v in results[-1].items()
+        }
         last["coordinator_cpu_cores"] = last.pop("cpu_cores")
     last["sizes"] = [r["hosts"] for r in results]
     last["ack_delay_s"] = args.ack_delay
