@@ -849,10 +849,10 @@ class Coordinator:
         if not self.leading:
             raise self.not_leader()
         membership.current_member(self.state, host_id, incarnation, self._max_id)
-        if not self.state.finished and epoch == self.state.epoch and step > self._steps.get(host_id, -1):
-            self._steps[host_id] = step
-            self._dirty_steps[host_id] = step
-        if not self.state.finished and self._dirty_steps:
+        if not self.state.finished:
+            if epoch == self.state.epoch and step > self._steps.get(host_id, -1):
+                self._steps[host_id] = step
+                self._dirty_steps[host_id] = step
             try:
                 await self._flush_progress()
             except Fenced as exc:
