@@ -27,9 +27,11 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 from remesh.cli.logs import configure_logging
 from remesh.elastic import Policy
+from remesh.elastic.cadence import parse_every
 from remesh.embedded import RedisServer
 from remesh.embedded.cluster import LocalCluster, cpu_seconds, descendants, wait_for
 
@@ -53,8 +55,20 @@ def model_args(args: argparse.Namespace) -> list[str]:
 
 def completions(metrics: Path) -> dict[int, float]:
     """Step -> when process 0 completed it (wall clock), from a run's metrics file."""
-    lines = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    return {int(r["step"]): float(r["t"]) for r in lines}
+    return {int(r["step"]): float(r["t"]) for r in records(metrics)}
+
+
+def records(metrics: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+
+
+def cadences(metrics: Path) -> dict[int, tuple[int, int]]:
+    """Step -> the snapshot cadence (every, since) the remesh loop was on when it completed it."""
+    return {
+        int(r["step"]): (int(r["snapshot_every"]), int(r["snapshot_since"]))
+        for r in records(metrics)
+        if "snapshot_every" in r  # the own-loop example writes no statistics
+    }
 
 
 def step_times(times: dict[int, float], warmup: int) -> dict[int, float]:
@@ -65,11 +79,13 @@ def step_times(times: dict[int, float], warmup: int) -> dict[int, float]:
     return {s: times[s] - times[s - 1] for s in steps if s - 1 in times}
 
 
-def beside_background(step: int, args: argparse.Namespace) -> bool:
+def beside_background(step: int, args: argparse.Namespace, cadence: tuple[int, int] | None) -> bool:
     """Whether remesh's background work runs beside ``step``: a snapshot (and buddy copy) or a
-    checkpoint of it, or of the step before (the one the loop waits for while it runs)."""
-    every = [k for k in (args.snapshot_every, args.checkpoint_every) if k]
-    return any(step % k in (0, 1) for k in every)
+    checkpoint of it, or of the step before (the one the loop waits for while it runs).
+    ``cadence``: the snapshots' (every, since) at that step, where the remesh run said it."""
+    every, since = cadence or (0 if args.snapshot_every == "auto" else args.snapshot_every, 0)
+    snapshot = bool(every) and any(s >= since and (s - since) % every == 0 for s in (step, step - 1))
+    return snapshot or bool(args.checkpoint_every and step % args.checkpoint_every in (0, 1))
 
 
 class CpuWatch:
@@ -148,9 +164,9 @@ def plain_run(tmp: Path, args: argparse.Namespace) -> tuple[dict[int, float], di
 
 def remesh_run(
     tmp: Path, redis_url: str, redis_pid: int, args: argparse.Namespace
-) -> tuple[dict[int, float], dict[str, float], dict[str, float]]:
-    """Step times of a run under remesh, its trainers' statistics, and the cores its trainers,
-    agents, coordinator and Redis used while the steps were timed."""
+) -> tuple[dict[int, float], dict[str, float], dict[str, float], dict[int, tuple[int, int]]]:
+    """Step times of a run under remesh, its trainers' statistics, the cores its trainers, agents,
+    coordinator and Redis used while the steps were timed, and its snapshot cadence by step."""
     job = f"overhead-{uuid.uuid4().hex[:8]}"
     folder = tmp / job
     folder.mkdir()
@@ -165,7 +181,7 @@ def remesh_run(
         trainer = [
             sys.executable, "-m", "examples.tinylm.train_elastic", *model_args(args),
             "--sharding", "fsdp", "--log-every", "1000", "--metrics-dir", str(folder / "metrics"),
-            "--snapshot-every", str(args.snapshot_every),
+            "--snapshot-every", str(args.snapshot_every), "--mtbf", str(args.mtbf),
         ]  # fmt: skip
     if args.checkpoint_every:
         trainer += [
@@ -212,12 +228,15 @@ def remesh_run(
         last = json.loads(Path(metrics).read_text().splitlines()[-1])  # type: ignore[arg-type]
         stats = {
             k: float(last.get(k, 0.0))
-            for k in ("snapshot_s", "snapshots_skipped", "checkpoint_wait_s", "buddy_copies", "buddy_wait_s")
-        }
+            for k in (
+                "snapshot_s", "snapshots_skipped", "checkpoint_wait_s", "buddy_copies", "buddy_wait_s",
+                "snapshot_every",
+            )
+        }  # fmt: skip
         times = completions(Path(metrics))  # type: ignore[arg-type]
         start, end = timed_window(times, args.warmup)
         cpu = {kind: watch.cores(kind, start, end) for kind in ("trainers", "agents", "coordinator", "redis")}
-        return step_times(times, args.warmup), stats, cpu
+        return step_times(times, args.warmup), stats, cpu, cadences(Path(metrics))  # type: ignore[arg-type]
     except BaseException:
         progress(f"remesh: the remesh run did not finish; its logs end with:\n{cluster.log_tails()}")
         raise
@@ -236,7 +255,18 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=5, help="first steps of a run left out")
     parser.add_argument("--rounds", type=int, default=3, help="plain and remesh runs, alternating")
     parser.add_argument("--hosts", type=int, default=2)
-    parser.add_argument("--snapshot-every", type=int, default=Policy().snapshot_every)
+    parser.add_argument(
+        "--snapshot-every",
+        type=parse_every,
+        default=Policy().snapshot_every,
+        help='snapshots every K steps, or "auto" (K from their measured cost and --mtbf)',
+    )
+    parser.add_argument(
+        "--mtbf",
+        type=float,
+        default=Policy().mtbf_s,
+        help="the remesh run's expected seconds between failures (--snapshot-every auto)",
+    )
     parser.add_argument("--checkpoint-every", type=int, default=10, help="remesh run (0: none)")
     parser.add_argument(
         "--loop",
@@ -264,9 +294,11 @@ def main() -> int:
         f"remesh: fsdp state of {mb:.0f} MiB (d_model {args.d_model}) over {args.hosts} hosts x 2 devices; "
         f"{args.rounds} rounds of {args.steps} steps, plain then remesh"
     )
-    # (step, seconds) of every step timed, of every run of each loop.
-    plain_steps: list[tuple[int, float]] = []
-    remesh_steps: list[tuple[int, float]] = []
+    # (round, step, seconds) of every step timed, of every run of each loop; the remesh run's
+    # snapshot cadence by step, of each round.
+    plain_steps: list[tuple[int, int, float]] = []
+    remesh_steps: list[tuple[int, int, float]] = []
+    cadence: list[dict[int, tuple[int, int]]] = []
     stats: list[dict[str, float]] = []
     plain_cpu: list[dict[str, float]] = []
     remesh_cpu: list[dict[str, float]] = []
@@ -278,21 +310,22 @@ def main() -> int:
         for r in range(args.rounds):
             t = time.monotonic()
             times, cpu = plain_run(tmp, args)
-            plain_steps += times.items()
+            plain_steps += [(r, step, t) for step, t in times.items()]
             plain_cpu.append(cpu)
             progress(
                 f"  round {r + 1}/{args.rounds}: plain  {statistics.median(times.values()):.3f} s/step ({time.monotonic() - t:.0f} s)"
             )
             t = time.monotonic()
             assert redis.process is not None
-            times, s, cpu = remesh_run(tmp, redis.url, redis.process.pid, args)
-            remesh_steps += times.items()
+            times, s, cpu, by_step = remesh_run(tmp, redis.url, redis.process.pid, args)
+            remesh_steps += [(r, step, t) for step, t in times.items()]
+            cadence.append(by_step)
             stats.append(s)
             remesh_cpu.append(cpu)
             progress(
                 f"  round {r + 1}/{args.rounds}: remesh {statistics.median(times.values()):.3f} s/step ({time.monotonic() - t:.0f} s)"
             )
-    plain, under = [t for _, t in plain_steps], [t for _, t in remesh_steps]
+    plain, under = [t for _, _, t in plain_steps], [t for _, _, t in remesh_steps]
     p50_plain, p50_remesh = statistics.median(plain), statistics.median(under)
     ratio = p50_remesh / p50_plain
     # The mean counts what the median leaves out: the steps a snapshot or a checkpoint slows down.
@@ -308,15 +341,17 @@ def main() -> int:
 
     # Where the means part: the steps background work runs beside, against the others (and the
     # plain loop's same steps, which have none: the control).
-    # (With snapshots every step or two, every step has some: there are no others.)
+    # (With snapshots every step or two, every step has some: there are no others.) The plain
+    # loop's steps are told apart by the cadence of the remesh run of the same round.
     def p50(values: list[float]) -> str:
         return f"{statistics.median(values):.4f}" if values else "-"
 
     split: dict[str, tuple[list[float], list[float]]] = {}
     for name, steps in (("plain", plain_steps), ("remesh", remesh_steps)):
+        beside = [beside_background(step, args, cadence[r].get(step)) for r, step, _ in steps]
         split[name] = (
-            [t for step, t in steps if beside_background(step, args)],
-            [t for step, t in steps if not beside_background(step, args)],
+            [t for (_, _, t), b in zip(steps, beside, strict=True) if b],
+            [t for (_, _, t), b in zip(steps, beside, strict=True) if not b],
         )
     print(
         "step p50 beside remesh's background work (a snapshot, buddy copy or checkpoint of it or of "
@@ -329,7 +364,8 @@ def main() -> int:
         f"background snapshot time {statistics.median(s['snapshot_s'] for s in stats):.2f} s, "
         f"waits for a checkpoint {statistics.median(s['checkpoint_wait_s'] for s in stats):.2f} s, "
         f"buddy copies {statistics.median(s['buddy_copies'] for s in stats):.0f}, "
-        f"waits for buddy copies {statistics.median(s['buddy_wait_s'] for s in stats):.2f} s"
+        f"waits for buddy copies {statistics.median(s['buddy_wait_s'] for s in stats):.2f} s, "
+        f"snapshots every {sorted(int(s['snapshot_every']) for s in stats)} steps at the end of each"
     )
     # Where the CPU goes while steps are timed (medians of the runs): on this machine every process
     # shares the same cores, so CPU the remesh side spends outside the step is taken from it.
@@ -348,6 +384,9 @@ def main() -> int:
         ),
         "state_mb": round(mb, 1),
         "snapshot_every": args.snapshot_every,
+        # The cadence each remesh run ended on (with "auto": the one its members agreed).
+        "snapshot_every_at_end": sorted(int(s["snapshot_every"]) for s in stats),
+        "mtbf_s": args.mtbf if args.snapshot_every == "auto" else None,
         "checkpoint_every": args.checkpoint_every,
         "plain_step_s_p50": round(p50_plain, 4),
         "remesh_step_s_p50": round(p50_remesh, 4),

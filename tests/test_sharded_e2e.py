@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from remesh.elastic.cadence import CALIBRATE_AFTER, FIRST_EVERY, LEAST_EVERY
 from remesh.embedded import FakeGcsServer, RedisServer
 from remesh.v1 import coordinator_pb2 as pb
 from tests.procs import Cluster, wait_for
@@ -110,6 +112,63 @@ def test_fsdp_a_killed_host_is_restored_from_its_buddy_copy_bitwise_equal(
         cluster.close()
 
 
+def cadences_agreed(cluster: Cluster) -> dict[str, list[tuple[int, int, str]]]:
+    """host -> (from_step, every, proposals) of every snapshot cadence its trainers agreed on."""
+    found: dict[str, list[tuple[int, int, str]]] = {}
+    for log in cluster.tmp.glob("agent-*.log"):
+        for line in log.read_text().splitlines():
+            if "snapshot cadence agreed" in line:
+                fields = dict(re.findall(r"(\w+)=(\[[^\]]*\]|\S+)", line))
+                host = log.stem.removeprefix("agent-").rpartition("-")[0]  # agent-<host>-<n>.log
+                found.setdefault(host, []).append(
+                    (int(fields["from_step"]), int(fields["every"]), fields["proposals"])
+                )
+    return found
+
+
+def test_an_automatic_snapshot_cadence_is_agreed_by_every_member_and_restores_bitwise_equal(
+    tmp_path: Path, redis: RedisServer, clean_fsdp: tuple[Path, Path]
+) -> None:
+    """FSDP over 3 hosts + 1 spare with --snapshot-every auto: snapshots every 5 steps at first; at
+    step 30 every member posts the interval its own step times call for, and from step 35 all take
+    the largest. host-1 is SIGKILLed after that: the restore is a snapshot of the agreed cadence,
+    the steps after it are replayed, and the run ends on the clean run's state, bit for bit."""
+    first = CALIBRATE_AFTER * FIRST_EVERY
+    agreed_from = first + FIRST_EVERY
+    final, cluster = run_job(
+        tmp_path,
+        redis.url,
+        spares=1,
+        victim="host-1",
+        # Slower steps than run_job's: the kill lands between the agreed step and the last.
+        trainer_args=(*FSDP, "--snapshot-every", "auto", "--step-sleep", "0.25"),
+        kill_when=lambda c: (m := c.members().get("host-1")) is not None and m.last_step >= agreed_from + 1,
+    )
+    try:
+        agreed = cadences_agreed(cluster)
+        # Every first-epoch member agreed on the same cadence, from the same step, on the same proposals.
+        firsts = {host: runs[0] for host, runs in agreed.items() if host in ("host-0", "host-1", "host-2")}
+        assert sorted(firsts) == ["host-0", "host-1", "host-2"], agreed
+        assert len(set(firsts.values())) == 1, firsts
+        from_step, every, proposals = firsts["host-0"]
+        assert from_step == agreed_from and every >= LEAST_EVERY
+        assert every == max(LEAST_EVERY, *(int(p) for p in proposals.strip("[]").split(",")))
+        after = cluster.topology()
+        assert after.epoch == 2 and [m.host_id for m in after.members] == ["host-0", "spare-0", "host-2"]
+        restored = {
+            int(e.details["restored_step"])
+            for e in cluster.events()
+            if e.type == pb.EVENT_TYPE_EPOCH_ACKED and e.epoch == 2
+        }
+        assert len(restored) == 1 and (step := restored.pop()) >= agreed_from, restored
+        assert (step - agreed_from) % every == 0 or step == STEPS, (step, every)
+        clean, _ = clean_fsdp
+        for a, b in zip(leaves(final), leaves(clean), strict=True):
+            assert a.tobytes() == b.tobytes(), "the state differs from the run without failure"
+    finally:
+        cluster.close()
+
+
 def test_a_loop_of_the_users_own_loses_rank_0_whose_buddy_copies_are_slower_than_a_step(
     tmp_path: Path, redis: RedisServer, clean_fsdp: tuple[Path, Path]
 ) -> None:
@@ -126,6 +185,7 @@ def test_a_loop_of_the_users_own_loses_rank_0_whose_buddy_copies_are_slower_than
         sys.executable, "-m", "examples.tinylm.train_own_loop", "--steps", str(STEPS),
         "--d-model", "96", "--layers", "1", "--seq-len", "32", "--step-sleep", "0.05",
         "--save-final", str(final),
+        "--snapshot-every", "1",  # a copy due at every step, and each slower than a step
     ]  # fmt: skip
     final, cluster = run_job(
         tmp_path,
@@ -248,7 +308,10 @@ def test_hsdp_a_lost_host_comes_from_the_other_group_a_lost_group_shrinks_and_re
     taking their shards from the members that hold them."""
     cluster = Cluster(tmp_path, redis.url, new_job_id())
     final = tmp_path / "final.npz"
-    command = trainer(final, "--sharding", "hsdp", "--hosts-per-replica", "2", "--d-model", "96")
+    # Snapshots every step: the restore of the grown epoch is then the newest step of all.
+    command = trainer(
+        final, "--sharding", "hsdp", "--hosts-per-replica", "2", "--d-model", "96", "--snapshot-every", "1"
+    )
     command[command.index("--steps") + 1] = "60"
     try:
         cluster.start_coordinator("--world-size", "4", "--min-world-size", "2")

@@ -38,6 +38,7 @@ from remesh.elastic import (
     fsdp_partition,
     gcs_checkpoints_from_url,
 )
+from remesh.elastic.cadence import parse_every
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,15 +94,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hosts-per-replica", type=int, default=2, help="hosts in one replica group (hsdp)")
     p.add_argument(
         "--snapshot-every",
-        type=int,
+        type=parse_every,
         default=Policy().snapshot_every,
-        help="host-memory snapshots every K steps, in the background (a failure replays up to K - 1)",
+        help="host-memory snapshots every K steps, in the background (a failure replays up to K - 1); "
+        '"auto": K from what a snapshot costs the loop and --mtbf',
     )
     p.add_argument(
         "--buddy-every",
         type=int,
         default=None,
         help="buddy copies every K steps, a multiple of --snapshot-every (default: every snapshot; 0: none)",
+    )
+    p.add_argument(
+        "--mtbf",
+        type=float,
+        default=Policy().mtbf_s,
+        help="expected seconds between failures of the job, for --snapshot-every auto",
     )
     args = p.parse_args(argv)
     configure_logging()  # JSON lines when the agent logs JSON
@@ -120,7 +128,10 @@ def main(argv: list[str] | None = None) -> int:
             checkpoint_every=args.checkpoint_every,
             collective_timeout_s=args.collective_timeout,
             snapshot_every=args.snapshot_every,
-            buddy_every=args.snapshot_every if args.buddy_every is None else args.buddy_every,
+            buddy_every=(1 if args.snapshot_every == "auto" else args.snapshot_every)
+            if args.buddy_every is None
+            else args.buddy_every,
+            mtbf_s=args.mtbf,
             # A sharded state is gathered whole at the end only where it is written out whole.
             gather_final=bool(args.save_final) and args.sharding != "replicated",
         )

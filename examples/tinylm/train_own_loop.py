@@ -24,6 +24,7 @@ import numpy as np
 
 from examples.tinylm import data, model
 from remesh.elastic import GrainData, Layout, Policy, Session, fsdp_partition
+from remesh.elastic.cadence import parse_every
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=model.Config.n_layers)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--metrics", help="process 0 appends one JSON line per step here")
-    p.add_argument("--snapshot-every", type=int, default=Policy().snapshot_every)
+    p.add_argument(
+        "--snapshot-every",
+        type=parse_every,
+        default=Policy().snapshot_every,
+        help='snapshots every K steps, or "auto" (K from what they cost)',
+    )
     p.add_argument("--save-final", help="rank 0 writes the final state's leaves here (.npz)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="pause after each step (paces tests)")
     args = p.parse_args(argv)
@@ -50,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         layout=Layout(partition=fsdp_partition),
         policy=Policy(
             snapshot_every=args.snapshot_every,
-            buddy_every=args.snapshot_every,
+            buddy_every=1 if args.snapshot_every == "auto" else args.snapshot_every,  # with each snapshot
             gather_final=bool(args.save_final),
         ),
     )

@@ -188,6 +188,24 @@ class Runtime:
                 for r in range(self.assignment.world_size)
             ]
 
+    def post_int(self, name: str, value: int) -> None:
+        """Offer this process's ``value`` for ``name``; ``posted_ints`` reads every one once all are in."""
+        assert self.assignment is not None
+        with peer_failures():
+            self._client().key_value_set(
+                f"remesh/e{self.assignment.epoch}/{name}/{self.assignment.rank}", str(value)
+            )
+
+    def posted_ints(self, name: str) -> list[int] | None:
+        """Every process's ``value`` for ``name`` (``post_int``), in rank order; None while some are
+        missing. Never waits: the caller decides how long to, and what ends the wait."""
+        assert self.assignment is not None
+        with peer_failures():
+            posted = dict(self._client().key_value_dir_get(f"remesh/e{self.assignment.epoch}/{name}/"))
+        values = {int(key.rpartition("/")[2]): int(value) for key, value in posted.items()}
+        ranks = range(self.assignment.world_size)
+        return [values[r] for r in ranks] if all(r in values for r in ranks) else None
+
     def allgather_text(self, name: str, value: str, timeout_s: float) -> list[str]:
         """Every process's ``value``, in rank order, through the coordination service's key-value
         store (small values: it keeps them all in rank 0's process)."""

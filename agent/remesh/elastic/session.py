@@ -34,7 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn, Protocol
+from typing import Any, Literal, NoReturn, Protocol
 
 import jax
 import numpy as np
@@ -46,6 +46,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from remesh.elastic.agent_client import AgentClient, Assignment
+from remesh.elastic.cadence import Cadence
 from remesh.elastic.checkpoints import Approve, CheckpointError, StaleEpoch, Trusted
 from remesh.elastic.data import HostBatches, StepData
 from remesh.elastic.errors import (
@@ -161,9 +162,20 @@ class Policy:
     # copy is due at that step too (then the loop waits for the oldest: every host must hold the
     # steps the buddy copies are made of). A failure loses at most the K - 1 steps after the newest
     # snapshot every member holds, and they are replayed (the batch is a function of the step).
-    # 1: nothing is replayed; on a GPU or TPU the copy is DMA beside the compute, on CPU it shares
-    # the cores (benchmarks/overhead.py).
-    snapshot_every: int = 1
+    # "auto" (the default): K is Young's interval, sqrt(2 x cost x mtbf_s), from what a snapshot
+    # costs the loop, measured on its own step times, and agreed by every member (the largest
+    # proposal: the slowest member sets everyone's pace); 5 until the first agreement, after 30
+    # steps (remesh.elastic.cadence). A snapshot that costs nothing is taken every 3 steps (on a GPU
+    # or TPU the copy is DMA beside the compute); one that costs much (on CPU the copy shares the
+    # cores with the step, benchmarks/overhead.py) is taken rarely. Buddy copies then go with
+    # every snapshot (buddy_every 1) or never (0). A number: every K steps, fixed (1: nothing is
+    # ever replayed, whatever it costs).
+    snapshot_every: int | Literal["auto"] = "auto"
+    # The expected time between failures of the whole job, for snapshot_every="auto": the rarer
+    # failures are, the more steps a snapshot may be apart (a failure replays half of them, on
+    # average). Three hours: a 16,000-GPU job saw one unexpected interruption every 3.1 hours
+    # (Llama 3's 54-day pre-training run); smaller jobs fail more rarely and may say so.
+    mtbf_s: float = 3 * 3600.0
     # Save a checkpoint every N steps from rank 0 (0: never).
     checkpoint_every: int = 0
     # A step blocked this long reports it (the agent tells the coordinator): when every other member
@@ -211,11 +223,22 @@ class Policy:
         survivor must still hold its own shards of that step for the restore to find it whole."""
         if self.snapshots_kept <= 0:
             return 0
+        if self.snapshot_every == "auto":  # a copy with every snapshot
+            return max(self.snapshots_kept, 3 + 1)
         return max(self.snapshots_kept, 3 * self.buddy_every // self.snapshot_every + 1)
 
     def __post_init__(self) -> None:
-        if self.snapshot_every < 1:
-            raise ValueError(f"snapshot_every must be >= 1, not {self.snapshot_every}")
+        if self.snapshot_every == "auto":
+            if self.buddy_every not in (0, 1):
+                raise ValueError(
+                    f'with snapshot_every="auto" a buddy copy goes with every snapshot (buddy_every 1) '
+                    f"or with none (0), not every {self.buddy_every} steps"
+                )
+            if self.mtbf_s <= 0:
+                raise ValueError(f"mtbf_s must be positive, not {self.mtbf_s}")
+            return
+        if not isinstance(self.snapshot_every, int) or self.snapshot_every < 1:
+            raise ValueError(f'snapshot_every must be >= 1 or "auto", not {self.snapshot_every!r}')
         if self.buddy_every < 0 or (self.buddy_every and self.buddy_every % self.snapshot_every):
             raise ValueError(
                 f"buddy_every ({self.buddy_every}) must be 0 or a multiple of snapshot_every "
@@ -399,7 +422,7 @@ class Epoch:
             self._phases["first_step"] = time.monotonic() - self._started
             s._ack(self.assignment, step - 1, self.restored_from, self._phases, self._tiers)
             self._acked = True
-        if step % s.policy.snapshot_every == 0 or step == self.num_steps:
+        if s._snapshot_due(step, self.epoch) or step == self.num_steps:
             s._snapshot(step, self.epoch, leaves, wait=step == self.num_steps)
             if s._buddy_step(step):
                 s._copy_buddy_later(step, self.assignment)
@@ -539,7 +562,13 @@ class Session:
             "buddy_copies": 0,
             "buddy_copies_failed": 0,
             "buddy_wait_s": 0.0,  # seconds the loop waited for buddy copies to catch up
+            # Not totals: the cadence in use, snapshots every snapshot_every steps from snapshot_since.
+            "snapshot_every": 0,
+            "snapshot_since": 0,
         }
+        # When snapshots are due: every snapshot_every steps, or a cadence the members agree on
+        # from what snapshots cost ("auto"); begun anew at every epoch.
+        self._cadence = self._new_cadence(0)
         # Where the last restore took its state from: bytes per tier, and the step.
         self.last_restore: dict[str, Any] = {}
         # (epoch, step, when) of the last step completed: the next one is timed from it.
@@ -786,6 +815,7 @@ class Session:
             **_rounded(phases),
         )
         self._step = step
+        self._cadence = self._new_cadence(step)
         return Epoch(
             self,
             assignment,
@@ -861,6 +891,9 @@ class Session:
         if last is not None and last[:2] == (assignment.epoch, step - 1):
             self.stats["steps"] += 1
             self.stats["step_s"] += self._done_at - last[2]
+            every = self.policy.checkpoint_every
+            if not (every and step % every in (0, 1)):  # a checkpoint's steps measure the checkpoint
+                self._cadence.observe(step, self._done_at - last[2])
         self._last_completed = (assignment.epoch, step, self._done_at)
         self.agent.report_progress_later(step, assignment.epoch, self.stats)
         return StepResult(step, assignment.epoch, assignment.world_size, host_metrics)
@@ -1266,7 +1299,71 @@ class Session:
 
     def _buddy_step(self, step: int) -> bool:
         """Whether every host copies its buddy's pieces of ``step`` (the same steps on every host)."""
-        return self._buddy is not None and step % self.policy.buddy_every == 0
+        if self._buddy is None:
+            return False
+        if self.policy.snapshot_every == "auto":  # with every snapshot
+            return self._cadence.due(step)
+        return step % self.policy.buddy_every == 0
+
+    # ---- the snapshot cadence ----------------------------------------------------------------------
+
+    def _new_cadence(self, since: int) -> Cadence:
+        every = self.policy.snapshot_every
+        cadence = Cadence.automatic(since, self.policy.mtbf_s) if every == "auto" else Cadence(every)
+        self.stats["snapshot_every"], self.stats["snapshot_since"] = cadence.every, cadence.since
+        return cadence
+
+    def _snapshot_due(self, step: int, epoch: int) -> bool:
+        """Whether ``step`` is snapshotted. With an automatic cadence: at an agreed step every member
+        posts its interval (to the coordination service's key-value store, no collective), and the
+        largest counts from an agreed later step; that step reads every member's, there already
+        unless a member lags several steps behind (then it waits, as for a step)."""
+        cadence = self._cadence
+        if cadence.agreeing is not None and step >= cadence.agreeing[1]:
+            self._adopt_cadence(epoch)
+        due = cadence.due(step)
+        if due and (at := cadence.calibrates_at(step)) is not None:
+            proposal = cadence.proposal()
+            cadence.agreeing = (step, at)
+            self.runtime.post_int(f"cadence-{step}", proposal)
+            log.debug("snapshot cadence proposed", step=step, every=proposal, cost_s=cadence.cost_s())
+        return due
+
+    def _adopt_cadence(self, epoch: int) -> None:
+        cadence = self._cadence
+        assert cadence.agreeing is not None
+        asked, at = cadence.agreeing
+        proposals = self.runtime.posted_ints(f"cadence-{asked}")
+        if proposals is None:
+            # Every member posted at step ``asked``, steps ago: one that has not is as far behind as
+            # a collective allows only a dead or stuck one to be, and is treated the same way.
+            self._blocking(epoch, self.policy.stuck_step_exit_s, "step")
+            deadline = time.monotonic() + self.policy.collective_timeout_s
+            try:
+                while proposals is None:
+                    if (latest := self.agent.latest.epoch) > epoch:
+                        raise TopologyChanged(epoch, latest)
+                    if time.monotonic() > deadline:
+                        raise PeerFailure(
+                            f"a member did not post its snapshot interval of step {asked} within "
+                            f"{self.policy.collective_timeout_s:g}s of step {at}: a peer is probably gone"
+                        )
+                    time.sleep(0.005)
+                    proposals = self.runtime.posted_ints(f"cadence-{asked}")
+            finally:
+                self._blocked = None
+        cost, before = cadence.cost_s(), cadence.every
+        cadence.agree(at, proposals)
+        self.stats["snapshot_every"], self.stats["snapshot_since"] = cadence.every, cadence.since
+        log.info(
+            "snapshot cadence agreed",
+            asked_at=asked,
+            from_step=at,
+            every=cadence.every,
+            was=before,
+            cost_s=None if cost is None else round(cost, 4),
+            proposals=proposals,
+        )
 
     def _copy_buddy_later(self, step: int, assignment: Assignment) -> None:
         """Copy the buddy's pieces of ``step`` in the background, never skipping it: with two copies

@@ -247,6 +247,9 @@ class DemoRun:
             "--metrics-dir", str(self.metrics_dir),
             "--gcs", self._gcs_url, "--checkpoint-every", str(c.checkpoint_every),
             "--sharding", c.sharding,  # a sharded state: every host writes its own shards to GCS
+            # The snapshot interval follows how often this run fails a host (--snapshot-every auto,
+            # the default): its MTBF, or about a minute for failures at given steps.
+            "--mtbf", str(c.schedule.mtbf_s or 60.0),
         ]  # fmt: skip
 
     def _start_host(self, host_id: str, *, spare: bool = False) -> None:

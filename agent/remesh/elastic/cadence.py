@@ -1,0 +1,133 @@
+"""When host-memory snapshots are taken: every K steps, K fixed or chosen from what they cost.
+
+A snapshot (and the buddy copy made of it) costs the steps it runs beside: on CPU the copies share
+the cores with the step, on an accelerator they share the host's memory bandwidth with the input
+pipeline. Fewer snapshots cost less but lose more: a failure replays the steps after the newest
+snapshot every member holds. The interval that loses least in all is Young's (and Daly's first
+order): ``sqrt(2 * C * M)`` seconds between snapshots, where ``C`` is what one snapshot costs the
+loop and ``M`` the expected time between failures of the job. ``Cadence`` measures ``C`` from the
+loop's own step times (the steps beside a snapshot against the others), so the interval follows the
+state size, the host and the step as they are, not as a default guessed them.
+
+Every member must snapshot the same steps (a restore needs one step every survivor holds, and the
+buddy copies are made of the same steps), so a new K is agreed, not decided alone: at an agreed
+step each member proposes its K, every member takes the largest (the collectives wait for the
+slowest member: its cost is everyone's), and the new K counts from an agreed later step.
+
+Pure logic: the session feeds it step times and does the agreeing (``remesh.elastic.session``).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Literal
+
+# Snapshots taken at one K before the members agree on the next: enough steps beside a snapshot to
+# take a median of, few enough that a costly first K is not kept long.
+CALIBRATE_AFTER = 6
+# The first K of an automatic cadence, before anything is measured.
+FIRST_EVERY = 5
+# The smallest K an automatic cadence takes: with snapshots every 1 or 2 steps every step runs
+# beside one and there are no others to measure the cost against, so it could never grow again.
+LEAST_EVERY = 3
+
+
+def young_daly_every(cost_s: float, step_s: float, mtbf_s: float, least: int = 1, most: int = 10_000) -> int:
+    """Steps between snapshots that waste least: ``sqrt(2 * cost_s * mtbf_s)`` seconds, in steps of
+    ``step_s``, from ``least`` to ``most``. A snapshot that costs nothing is taken every ``least``."""
+    if step_s <= 0 or not math.isfinite(step_s):
+        raise ValueError(f"a step must take a positive time, not {step_s}")
+    if cost_s <= 0:
+        return least
+    every = math.sqrt(2.0 * cost_s * mtbf_s) / step_s
+    return max(least, min(most, round(every)))
+
+
+@dataclass
+class Cadence:
+    """Snapshots every ``every`` steps counted from step ``since``; with ``mtbf_s`` set, ``every`` is
+    re-chosen (``young_daly_every``) after each ``CALIBRATE_AFTER`` snapshots, once agreed."""
+
+    every: int
+    since: int = 0
+    # Expected seconds between failures of the job: set, the cadence is automatic.
+    mtbf_s: float | None = None
+    most: int = 10_000
+    # Completed steps: seconds each took, those beside a snapshot and the others (steps beside other
+    # background work, a checkpoint, are told apart by the caller and never given).
+    beside: list[float] = field(default_factory=list)
+    quiet: list[float] = field(default_factory=list)
+    # (calibration step, step the agreed K counts from) while the members agree.
+    agreeing: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ValueError(f"snapshots must be every >= 1 steps, not {self.every}")
+
+    @classmethod
+    def automatic(cls, since: int, mtbf_s: float, most: int = 10_000) -> Cadence:
+        if mtbf_s <= 0:
+            raise ValueError(f"mtbf_s must be positive, not {mtbf_s}")
+        return cls(min(FIRST_EVERY, most), since, mtbf_s, most)
+
+    def due(self, step: int) -> bool:
+        """Whether a snapshot of ``step`` (the state after it) is taken."""
+        return step >= self.since and (step - self.since) % self.every == 0
+
+    def beside_snapshot(self, step: int) -> bool:
+        """Whether the background work of a snapshot runs beside ``step``: one of the step before
+        (copied while this step runs) or of this step (its copy waits for it)."""
+        return self.due(step) or self.due(step - 1)
+
+    def observe(self, step: int, seconds: float) -> None:
+        """Step ``step`` took ``seconds`` (from the end of the step before)."""
+        if self.mtbf_s is None:
+            return
+        (self.beside if self.beside_snapshot(step) else self.quiet).append(seconds)
+
+    def calibrates_at(self, step: int) -> int | None:
+        """At a snapshot step where the members agree on the next K: the step it counts from (the
+        next snapshot step of this K at least 4 steps on, so that every member knows the answer
+        before any reaches it). None elsewhere; the same answer on every member."""
+        if self.mtbf_s is None or self.agreeing is not None or step <= self.since or not self.due(step):
+            return None
+        if (step - self.since) // self.every % CALIBRATE_AFTER:
+            return None
+        return step + self.every * math.ceil(4 / self.every)
+
+    def cost_s(self) -> float | None:
+        """What one snapshot costs the loop, in seconds: how much longer the steps beside it take
+        than the others (the medians), times the steps beside each; None until both were seen."""
+        if len(self.beside) < 2 or len(self.quiet) < 2:
+            return None
+        per_step = statistics.median(self.beside) - statistics.median(self.quiet)
+        return max(0.0, per_step) * 2  # two steps run beside each snapshot (beside_snapshot)
+
+    def proposal(self) -> int:
+        """This member's K: Young's from the cost measured here; the current K until one is."""
+        cost = self.cost_s()
+        if cost is None or self.mtbf_s is None:
+            return self.every
+        step_s = statistics.median(self.quiet)
+        return young_daly_every(cost, step_s, self.mtbf_s, min(LEAST_EVERY, self.most), self.most)
+
+    def agree(self, at: int, proposals: list[int]) -> None:
+        """Every member's proposals are in: from step ``at`` on, the largest of them. Measured anew
+        at the new K."""
+        self.every = max(min(LEAST_EVERY, self.most), min(self.most, max(proposals)))
+        self.since = at
+        self.agreeing = None
+        self.beside.clear()
+        self.quiet.clear()
+
+
+def parse_every(text: str) -> int | Literal["auto"]:
+    """A command line's snapshot interval: a number of steps, or "auto" (``Policy.snapshot_every``)."""
+    if text == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f'snapshot interval: a number of steps or "auto", not {text!r}') from None

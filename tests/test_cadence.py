@@ -1,0 +1,110 @@
+"""The snapshot cadence (remesh.elastic.cadence): pure logic, no processes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from remesh.elastic import Policy
+from remesh.elastic.cadence import (
+    CALIBRATE_AFTER,
+    FIRST_EVERY,
+    LEAST_EVERY,
+    Cadence,
+    parse_every,
+    young_daly_every,
+)
+
+
+def test_young_daly_interval_balances_what_a_snapshot_costs_against_what_a_failure_replays() -> None:
+    # 0.15 s a snapshot, 0.25 s a step, a failure every 3 hours: sqrt(2 * 0.15 * 10800) = 56.9 s.
+    assert young_daly_every(0.15, 0.25, 3 * 3600) == round(math.sqrt(2 * 0.15 * 10800) / 0.25) == 228
+    # Failures ten times as often: snapshots about three times as close.
+    assert young_daly_every(0.15, 0.25, 1080) == 72
+    # Free snapshots: as often as allowed; dear ones: no rarer than allowed.
+    assert young_daly_every(0.0, 0.25, 10800, least=3) == 3
+    assert young_daly_every(50.0, 0.01, 10800, most=1000) == 1000
+    with pytest.raises(ValueError, match="positive time"):
+        young_daly_every(0.1, 0.0, 10800)
+
+
+def test_a_fixed_cadence_is_every_kth_step_and_never_calibrates() -> None:
+    cadence = Cadence(4)
+    assert [s for s in range(1, 13) if cadence.due(s)] == [4, 8, 12]
+    for step in range(1, 100):
+        cadence.observe(step, 0.1)
+        assert cadence.calibrates_at(step) is None
+    assert cadence.cost_s() is None and cadence.proposal() == 4
+    with pytest.raises(ValueError, match=">= 1"):
+        Cadence(0)
+
+
+def test_an_automatic_cadence_counts_from_the_epochs_first_step_and_agrees_at_the_same_steps_everywhere() -> (
+    None
+):
+    # Two members of an epoch restored at step 7: the same steps snapshotted, the same step to agree at.
+    a, b = Cadence.automatic(7, 3600.0), Cadence.automatic(7, 3600.0)
+    assert a.every == FIRST_EVERY and not a.due(6) and a.due(7) and a.due(7 + FIRST_EVERY)
+    asks = [s for s in range(8, 200) if a.calibrates_at(s) is not None]
+    assert asks == [s for s in range(8, 200) if b.calibrates_at(s) is not None]
+    first = 7 + CALIBRATE_AFTER * FIRST_EVERY
+    assert asks[0] == first
+    # The agreed cadence counts from a later snapshot step, at least 4 steps on.
+    at = a.calibrates_at(first)
+    assert at is not None and at - first >= 4 and a.due(at)
+    # While the members agree, no second agreement begins.
+    a.agreeing = (first, at)
+    assert all(a.calibrates_at(s) is None for s in range(first, 400))
+
+
+def test_the_cost_is_how_much_longer_the_steps_beside_a_snapshot_take() -> None:
+    cadence = Cadence.automatic(0, 3 * 3600.0)
+    assert cadence.cost_s() is None  # nothing measured: the current cadence is proposed
+    assert cadence.proposal() == FIRST_EVERY
+    for step in range(1, 61):
+        cadence.observe(step, 0.35 if cadence.beside_snapshot(step) else 0.25)
+    assert cadence.beside and cadence.quiet
+    # Two steps beside each snapshot, each 0.1 s longer.
+    assert cadence.cost_s() == pytest.approx(0.2)
+    assert cadence.proposal() == young_daly_every(0.2, 0.25, 3 * 3600, LEAST_EVERY)
+
+
+def test_steps_beside_a_snapshot_that_are_no_slower_propose_the_least_interval_not_every_step() -> None:
+    cadence = Cadence.automatic(0, 3 * 3600.0)
+    for step in range(1, 61):
+        cadence.observe(step, 0.2 if cadence.beside_snapshot(step) else 0.25)
+    assert cadence.cost_s() == 0.0
+    # At every step (or every other) no step would be free of a snapshot to measure against again.
+    assert cadence.proposal() == LEAST_EVERY > 2
+
+
+def test_agreeing_takes_the_largest_proposal_from_the_agreed_step_and_measures_anew() -> None:
+    cadence = Cadence.automatic(0, 3600.0)
+    for step in range(1, 31):
+        cadence.observe(step, 0.3)
+    cadence.agreeing = (30, 35)
+    cadence.agree(35, [12, 40, 7])
+    assert (cadence.every, cadence.since, cadence.agreeing) == (40, 35, None)
+    assert cadence.beside == cadence.quiet == []
+    assert cadence.due(35) and cadence.due(75) and not cadence.due(40)
+    # A proposal below the least interval (an older member's) is raised to it.
+    cadence.agree(75, [1, 2])
+    assert cadence.every == LEAST_EVERY
+
+
+def test_policy_takes_auto_with_buddy_copies_at_every_snapshot_or_none() -> None:
+    assert Policy(snapshot_every="auto").own_snapshots_kept >= 4
+    assert Policy(snapshot_every="auto", buddy_every=0).buddy_every == 0
+    with pytest.raises(ValueError, match="with every snapshot"):
+        Policy(snapshot_every="auto", buddy_every=5)
+    with pytest.raises(ValueError, match="mtbf_s must be positive"):
+        Policy(snapshot_every="auto", mtbf_s=0)
+    with pytest.raises(ValueError, match='or "auto"'):
+        Policy(snapshot_every="often")  # type: ignore[arg-type]
+
+
+def test_a_command_line_interval_is_a_number_or_auto() -> None:
+    assert parse_every("auto") == "auto" and parse_every("7") == 7
+    with pytest.raises(ValueError, match='number of steps or "auto"'):
+        parse_every("sometimes")
