@@ -99,11 +99,15 @@ class Cadence:
 
     def cost_s(self) -> float | None:
         """What one snapshot costs the loop, in seconds: how much longer the steps beside it take
-        than the others (the medians), times the steps beside each; None until both were seen."""
+        than the others (the medians), less what the medians' own noise could make of nothing (two
+        standard errors), times the steps beside each; None until both were seen. A cost the step
+        times cannot tell from noise is none: on a busy host a few milliseconds of noise would
+        otherwise space cheap snapshots ten steps apart, and every failure would replay them."""
         if len(self.beside) < 2 or len(self.quiet) < 2:
             return None
         per_step = statistics.median(self.beside) - statistics.median(self.quiet)
-        return max(0.0, per_step) * 2  # two steps run beside each snapshot (beside_snapshot)
+        noise = 2 * math.hypot(_median_error(self.beside), _median_error(self.quiet))
+        return max(0.0, per_step - noise) * 2  # two steps run beside each snapshot (beside_snapshot)
 
     def proposal(self) -> int:
         """This member's K: Young's from the cost measured here; the current K until one is."""
@@ -121,6 +125,14 @@ class Cadence:
         self.agreeing = None
         self.beside.clear()
         self.quiet.clear()
+
+
+def _median_error(values: list[float]) -> float:
+    """The standard error of the median of ``values``, from their median absolute deviation (robust
+    to the odd slow step): 1.2533 x sigma / sqrt(n), sigma = 1.4826 x MAD for normal noise."""
+    median = statistics.median(values)
+    mad = statistics.median(abs(v - median) for v in values)
+    return 1.2533 * 1.4826 * mad / math.sqrt(len(values))
 
 
 def parse_every(text: str) -> int | Literal["auto"]:
