@@ -31,7 +31,7 @@ from typing import Any
 
 from remesh.cli.logs import configure_logging
 from remesh.elastic import Policy
-from remesh.elastic.cadence import parse_every
+from remesh.elastic.cadence import Cadence, parse_every
 from remesh.embedded import RedisServer
 from remesh.embedded.cluster import LocalCluster, cpu_seconds, descendants, wait_for
 
@@ -53,21 +53,22 @@ def model_args(args: argparse.Namespace) -> list[str]:
     ]  # fmt: skip
 
 
-def completions(metrics: Path) -> dict[int, float]:
-    """Step -> when process 0 completed it (wall clock), from a run's metrics file."""
-    return {int(r["step"]): float(r["t"]) for r in records(metrics)}
-
-
 def records(metrics: Path) -> list[dict[str, Any]]:
+    """A run's metrics file: one record per step process 0 completed."""
     return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
 
 
-def cadences(metrics: Path) -> dict[int, tuple[int, int]]:
-    """Step -> the snapshot cadence (every, since) the remesh loop was on when it completed it."""
+def completions(lines: list[dict[str, Any]]) -> dict[int, float]:
+    """Step -> when process 0 completed it (wall clock), from a run's ``records``."""
+    return {int(r["step"]): float(r["t"]) for r in lines}
+
+
+def cadences(lines: list[dict[str, Any]]) -> dict[int, Cadence]:
+    """Step -> the snapshot cadence the remesh loop was on when it completed it (``records``)."""
     return {
-        int(r["step"]): (int(r["snapshot_every"]), int(r["snapshot_since"]))
-        for r in records(metrics)
-        if "snapshot_every" in r  # the own-loop example writes no statistics
+        int(r["step"]): Cadence(int(r["snapshot_every"]), int(r["snapshot_since"]))
+        for r in lines
+        if r.get("snapshot_every")  # the own-loop example writes no statistics
     }
 
 
@@ -79,12 +80,13 @@ def step_times(times: dict[int, float], warmup: int) -> dict[int, float]:
     return {s: times[s] - times[s - 1] for s in steps if s - 1 in times}
 
 
-def beside_background(step: int, args: argparse.Namespace, cadence: tuple[int, int] | None) -> bool:
+def beside_background(step: int, args: argparse.Namespace, cadence: Cadence | None) -> bool:
     """Whether remesh's background work runs beside ``step``: a snapshot (and buddy copy) or a
     checkpoint of it, or of the step before (the one the loop waits for while it runs).
-    ``cadence``: the snapshots' (every, since) at that step, where the remesh run said it."""
-    every, since = cadence or (0 if args.snapshot_every == "auto" else args.snapshot_every, 0)
-    snapshot = bool(every) and any(s >= since and (s - since) % every == 0 for s in (step, step - 1))
+    ``cadence``: the snapshots' at that step, where the remesh run said it."""
+    if cadence is None and args.snapshot_every != "auto":
+        cadence = Cadence(args.snapshot_every)
+    snapshot = cadence is not None and cadence.beside_snapshot(step)
     return snapshot or bool(args.checkpoint_every and step % args.checkpoint_every in (0, 1))
 
 
@@ -157,14 +159,14 @@ def plain_run(tmp: Path, args: argparse.Namespace) -> tuple[dict[int, float], di
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    times = completions(metrics)
+    times = completions(records(metrics))
     start, end = timed_window(times, args.warmup)
     return step_times(times, args.warmup), {"trainers": watch.cores("trainers", start, end)}
 
 
 def remesh_run(
     tmp: Path, redis_url: str, redis_pid: int, args: argparse.Namespace
-) -> tuple[dict[int, float], dict[str, float], dict[str, float], dict[int, tuple[int, int]]]:
+) -> tuple[dict[int, float], dict[str, float], dict[str, float], dict[int, Cadence]]:
     """Step times of a run under remesh, its trainers' statistics, the cores its trainers, agents,
     coordinator and Redis used while the steps were timed, and its snapshot cadence by step."""
     job = f"overhead-{uuid.uuid4().hex[:8]}"
@@ -225,7 +227,8 @@ def remesh_run(
                 f"the remesh run recovered from a fault ({len(started)} trainer processes wrote steps); "
                 "its step times would not be a healthy run's"
             )
-        last = json.loads(Path(metrics).read_text().splitlines()[-1])  # type: ignore[arg-type]
+        lines = records(Path(metrics))  # type: ignore[arg-type]
+        last = lines[-1]
         stats = {
             k: float(last.get(k, 0.0))
             for k in (
@@ -233,10 +236,10 @@ def remesh_run(
                 "snapshot_every",
             )
         }  # fmt: skip
-        times = completions(Path(metrics))  # type: ignore[arg-type]
+        times = completions(lines)
         start, end = timed_window(times, args.warmup)
         cpu = {kind: watch.cores(kind, start, end) for kind in ("trainers", "agents", "coordinator", "redis")}
-        return step_times(times, args.warmup), stats, cpu, cadences(Path(metrics))  # type: ignore[arg-type]
+        return step_times(times, args.warmup), stats, cpu, cadences(lines)
     except BaseException:
         progress(f"remesh: the remesh run did not finish; its logs end with:\n{cluster.log_tails()}")
         raise
@@ -298,7 +301,7 @@ def main() -> int:
     # snapshot cadence by step, of each round.
     plain_steps: list[tuple[int, int, float]] = []
     remesh_steps: list[tuple[int, int, float]] = []
-    cadence: list[dict[int, tuple[int, int]]] = []
+    cadence: list[dict[int, Cadence]] = []
     stats: list[dict[str, float]] = []
     plain_cpu: list[dict[str, float]] = []
     remesh_cpu: list[dict[str, float]] = []

@@ -174,12 +174,17 @@ class Runtime:
         """Wait for every process of the epoch, through the coordination service (no collective)."""
         assert self.assignment is not None
         with peer_failures():
-            self._client().wait_at_barrier(f"remesh/e{self.assignment.epoch}/{name}", int(timeout_s * 1000))
+            self._client().wait_at_barrier(self._key(name), int(timeout_s * 1000))
+
+    def _key(self, name: str) -> str:
+        """Where this epoch's values for ``name`` live in the coordination service's store."""
+        assert self.assignment is not None
+        return f"remesh/e{self.assignment.epoch}/{name}"
 
     def allgather_int(self, name: str, value: int, timeout_s: float) -> list[int]:
         """Every process's ``value``, in rank order, through the coordination service's key-value store."""
         assert self.assignment is not None
-        prefix = f"remesh/e{self.assignment.epoch}/{name}"
+        prefix = self._key(name)
         client = self._client()
         with peer_failures():
             client.key_value_set(f"{prefix}/{self.assignment.rank}", str(value))
@@ -192,16 +197,14 @@ class Runtime:
         """Offer this process's ``value`` for ``name``; ``posted_ints`` reads every one once all are in."""
         assert self.assignment is not None
         with peer_failures():
-            self._client().key_value_set(
-                f"remesh/e{self.assignment.epoch}/{name}/{self.assignment.rank}", str(value)
-            )
+            self._client().key_value_set(f"{self._key(name)}/{self.assignment.rank}", str(value))
 
     def posted_ints(self, name: str) -> list[int] | None:
         """Every process's ``value`` for ``name`` (``post_int``), in rank order; None while some are
         missing. Never waits: the caller decides how long to, and what ends the wait."""
         assert self.assignment is not None
         with peer_failures():
-            posted = dict(self._client().key_value_dir_get(f"remesh/e{self.assignment.epoch}/{name}/"))
+            posted = dict(self._client().key_value_dir_get(f"{self._key(name)}/"))
         values = {int(key.rpartition("/")[2]): int(value) for key, value in posted.items()}
         ranks = range(self.assignment.world_size)
         return [values[r] for r in ranks] if all(r in values for r in ranks) else None
@@ -210,7 +213,7 @@ class Runtime:
         """Every process's ``value``, in rank order, through the coordination service's key-value
         store (small values: it keeps them all in rank 0's process)."""
         assert self.assignment is not None
-        prefix = f"remesh/e{self.assignment.epoch}/{name}"
+        prefix = self._key(name)
         client = self._client()
         with peer_failures():
             client.key_value_set(f"{prefix}/{self.assignment.rank}", value)
