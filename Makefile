@@ -29,8 +29,10 @@ lint: $(BIN)/.installed
 	$(BIN)/mypy services agent benchmarks
 	$(BIN)/lint-imports
 
+# Two workers: the tests that run JAX trainers one at a time on one (see tests/conftest.py), the rest
+# beside them.
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
 	$(MAKE) lowest
 
 lowest:
