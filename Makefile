@@ -29,10 +29,10 @@ lint: $(BIN)/.installed
 	$(BIN)/mypy services agent benchmarks
 	$(BIN)/lint-imports
 
-# Two workers: the tests that run JAX trainers one at a time on one (see tests/conftest.py), the rest
-# beside them.
+# Two workers (pytest-xdist), each taking a whole test module at a time: a module's fixtures (a clean
+# run to compare with, a Redis) are made once.
 test: lint
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 	$(MAKE) lowest
 
 lowest:

@@ -64,27 +64,3 @@ def any_cluster(tmp_path: Path, redis_url: str, job_id: str) -> Iterator[Cluster
     finally:
         c.close()
 
-
-# Modules whose tests run JAX trainer processes (a job of 3-4 of them, each compiling and training
-# on 2 virtual CPU devices). Under pytest-xdist (`make test`: two workers) they all go to one worker,
-# one test at a time, as a test of them was written for a 2-core machine of its own; the control
-# plane's tests, whose processes are few and mostly wait, run on the other worker beside them.
-TRAINER_MODULES = frozenset(
-    {
-        "test_checkpoints",
-        "test_demo_e2e",
-        "test_elastic_e2e",
-        "test_reliability_e2e",
-        "test_sharded_e2e",
-        "test_soak",
-        "test_steady_state",
-        "test_tinylm",
-    }
-)
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in TRAINER_MODULES:
-            item.add_marker(pytest.mark.xdist_group("trainers"))
