@@ -63,4 +63,3 @@ def any_cluster(tmp_path: Path, redis_url: str, job_id: str) -> Iterator[Cluster
         yield c
     finally:
         c.close()
-
