@@ -167,6 +167,9 @@ class Coordinator:
         self._liveness = LivenessTable(settings.detector)
         self._steps: dict[str, int] = {}
         self._dirty_steps: dict[str, int] = {}
+        # One progress write at a time, landing in the order taken: a periodic flush of an older step
+        # still on its way must not land after the flush of a member's last step (finish).
+        self._flushing = asyncio.Lock()
         # Trainers their agents reported blocked in a step, and hosts whose trainer their agent saw
         # idle (no CPU time) in its last heartbeat: observations, like liveness.
         self._stalls: dict[str, Stall] = {}
@@ -623,12 +626,13 @@ class Coordinator:
         await self._published([stored], now)
 
     async def _flush_progress(self) -> None:
-        dirty, self._dirty_steps = self._dirty_steps, {}
-        try:
-            await self.store.write_progress(dirty)
-        except StoreUnavailable:
-            self._dirty_steps = {**dirty, **self._dirty_steps}
-            raise
+        async with self._flushing:
+            dirty, self._dirty_steps = self._dirty_steps, {}
+            try:
+                await self.store.write_progress(dirty)
+            except StoreUnavailable:
+                self._dirty_steps = {**dirty, **self._dirty_steps}
+                raise
 
     # ---- API used by the gRPC layer --------------------------------------------------------------
 
