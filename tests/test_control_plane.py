@@ -12,6 +12,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -529,6 +530,52 @@ def test_a_last_step_heard_before_finish_is_stored_with_it(redis_server: RedisSe
             await coordinator.stop()
 
     assert asyncio.run(scenario()) == {"host-a": 300, "host-b": 300}
+
+
+def test_a_beat_of_an_older_step_during_finish_does_not_undo_the_last_step(
+    redis_server: RedisServer, job_id: str
+) -> None:
+    """A beat still carrying step 41 arrives while the Finish call of step 50 writes the job's end:
+    the next progress flush stores 50, not the older step the beat carried."""
+
+    async def scenario() -> dict[str, int]:
+        settings = Settings(job_id=job_id, redis_url=redis_server.url, planner=PlannerSettings(world_size=2))
+        coordinator = Coordinator(settings, RedisStore(redis_server.url, job_id))
+        await coordinator.start()
+        try:
+            a = await coordinator.register("host-a", MemberRole.ACTIVE, 1, "10.0.0.1")
+            b = await coordinator.register("host-b", MemberRole.ACTIVE, 1, "10.0.0.2")
+            for member in (a, b):
+                await coordinator.heartbeat(member.host_id, member.incarnation, -1)
+            for _ in range(250):
+                if coordinator.state.topology is not None:
+                    break
+                await asyncio.sleep(0.02)
+            epoch = coordinator.state.epoch
+            assert epoch >= 1, "no epoch formed"
+            for member in (a, b):
+                await coordinator.ack_epoch(member.host_id, member.incarnation, epoch, 0, "fresh", {})
+                await coordinator.heartbeat(member.host_id, member.incarnation, 41)
+            commit = coordinator.store.commit
+
+            async def beat_first(*args: Any, **kwargs: Any) -> Any:
+                await coordinator.heartbeat("host-a", a.incarnation, 41)  # the beat racing Finish
+                return await commit(*args, **kwargs)
+
+            coordinator.store.commit = beat_first  # type: ignore[method-assign]
+            await coordinator.finish("host-a", a.incarnation, epoch, 50)
+            coordinator.store.commit = commit  # type: ignore[method-assign]
+            assert coordinator.state.finished
+            await coordinator._flush_progress()  # what the periodic flush does next
+            store = RedisStore(redis_server.url, job_id)
+            try:
+                return await store.read_progress()
+            finally:
+                await store.close()
+        finally:
+            await coordinator.stop()
+
+    assert asyncio.run(scenario()) == {"host-a": 50, "host-b": 41}
 
 
 def test_a_registration_whose_caller_went_away_before_its_commit_is_not_stored(

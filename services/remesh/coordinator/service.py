@@ -170,6 +170,9 @@ class Coordinator:
         # One progress write at a time, landing in the order taken: a periodic flush of an older step
         # still on its way must not land after the flush of a member's last step (finish).
         self._flushing = asyncio.Lock()
+        # The step each member said, in its Finish call, it completed last: final while that call is
+        # on its way. A beat still carrying an older step (it raced the call) must not overwrite it.
+        self._finishing: dict[str, int] = {}
         # Trainers their agents reported blocked in a step, and hosts whose trainer their agent saw
         # idle (no CPU time) in its last heartbeat: observations, like liveness.
         self._stalls: dict[str, Stall] = {}
@@ -425,7 +428,7 @@ class Coordinator:
             )
             if event.type is EventType.MEMBER_FORGOTTEN:
                 self._liveness.pop(event.host_id)
-                for table in (self._steps, self._dirty_steps, self._stalls):
+                for table in (self._steps, self._dirty_steps, self._stalls, self._finishing):
                     table.pop(event.host_id, None)
                 self._idle.discard(event.host_id)
             member = event.member
@@ -668,7 +671,11 @@ class Coordinator:
             and self.state.acks.get(host_id) == topology.epoch
         ):
             self._epoch_reached = step
-        if self._steps.get(host_id, -1) != step and not self.state.finished:
+        if (
+            self._steps.get(host_id, -1) != step
+            and not self.state.finished
+            and step > self._finishing.get(host_id, step - 1)
+        ):
             # Once the job finished its steps are final (an exiting agent's last beats change nothing).
             # -1 comes from an agent whose trainer has reported nothing yet: a host that came back
             # (a new incarnation). Its old step is forgotten, else the next restore step (the oldest
@@ -853,20 +860,27 @@ class Coordinator:
         if not self.leading:
             raise self.not_leader()
         membership.current_member(self.state, host_id, incarnation, self._max_id)
-        if not self.state.finished:
-            if epoch == self.state.epoch and step > self._steps.get(host_id, -1):
+        if not self.state.finished and epoch == self.state.epoch:
+            self._finishing[host_id] = step
+            if step > self._steps.get(host_id, -1):
                 self._steps[host_id] = step
                 self._dirty_steps[host_id] = step
-            try:
-                await self._flush_progress()
-            except Fenced as exc:
-                self._step_down(str(exc))
-                raise self.not_leader(str(exc)) from exc
-            except StoreUnavailable:
-                self.metrics.store_errors.inc()  # the finish below fails the same way; the agent retries
-        await self._change(
-            lambda s, t: membership.finish(t, s, host_id, incarnation, epoch, step, self._max_id)
-        )
+        try:
+            if not self.state.finished:
+                try:
+                    await self._flush_progress()
+                except Fenced as exc:
+                    self._step_down(str(exc))
+                    raise self.not_leader(str(exc)) from exc
+                except StoreUnavailable:
+                    self.metrics.store_errors.inc()  # the finish below fails the same way; the agent retries
+            await self._change(
+                lambda s, t: membership.finish(t, s, host_id, incarnation, epoch, step, self._max_id)
+            )
+        finally:
+            # Decided (the job finished: its steps are final anyway) or refused (a stale epoch: the
+            # member goes on and its beats count again); a retry of a failed call says it again.
+            self._finishing.pop(host_id, None)
 
     def report_stall(self, host_id: str, incarnation: int, epoch: int, step: int) -> str:
         """A member's trainer is blocked in the step after ``step`` of ``epoch``: noted in memory for
