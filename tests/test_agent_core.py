@@ -215,6 +215,11 @@ def test_the_hang_clock() -> None:
     assert not hung(**{**base, "ranked": False})  # a standby waits by design
     assert not hung(**{**base, "running": False})
     assert not hung(**{**base, "timeout_s": 0.0})  # off
+    # Before its first step of the epoch the start-up limit applies: compiling is no hang.
+    starting = {**base, "stepped": False, "startup_timeout_s": 60.0}
+    assert not hung(**starting)
+    assert hung(**{**starting, "now": 146.0})  # 61 s since its last progress: past the start-up limit
+    assert not hung(**{**starting, "now": 146.0, "startup_timeout_s": 0.0})  # off
 
 
 def test_the_lease() -> None:

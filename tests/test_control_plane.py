@@ -371,6 +371,28 @@ def test_a_hung_trainer_is_killed_reported_and_replaced(cluster: Cluster) -> Non
     assert fault.details["kind"] == "trainer_hung"
 
 
+def test_a_trainer_before_its_first_step_is_on_the_start_up_clock(cluster: Cluster) -> None:
+    """Start-up (JAX, restore, compile) is no step: a trainer that has not stepped in its epoch is
+    judged by --startup-timeout, not by the much shorter --hang-timeout; past it, it is killed."""
+    startup_s = 4.0
+    cluster.start_coordinator("--world-size", "2")
+    cluster.start_agent("host-0")
+    cluster.start_agent(
+        "host-1",
+        env={"STAND_IN_FAIL_AT": "1:hang"},  # stops before it reports its first step
+        extra=["--hang-timeout", "0.3", "--startup-timeout", str(startup_s)],
+    )
+    cluster.start_agent("spare-0", spare=True)
+    topology = cluster.wait_epoch(2, timeout=30)
+    assert [m.host_id for m in topology.members] == ["host-0", "spare-0"]
+    events = cluster.events()
+    first = next(e for e in events if e.type == pb.EVENT_TYPE_TOPOLOGY_CHANGED and e.epoch == 1)
+    fault = next(e for e in events if e.type == pb.EVENT_TYPE_FAULT_REPORTED)
+    assert fault.host_id == "host-1" and fault.details["kind"] == "trainer_hung"
+    # Its clock started when the epoch reached its agent, after the epoch was stored.
+    assert fault.time - first.time >= startup_s, fault.time - first.time
+
+
 def test_drain_replaces_the_host_and_its_agent_leaves(any_cluster: Cluster) -> None:
     cluster = any_cluster  # one redis-server, then a Redis Cluster
     start_job(cluster)

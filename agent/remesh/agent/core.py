@@ -256,13 +256,24 @@ def on_fault_reply(*, member_dead: bool, fault_epoch: int, current_epoch: int) -
 
 
 def hung(
-    *, now: float, timeout_s: float, last_progress: float, started_at: float, ranked: bool, running: bool
+    *,
+    now: float,
+    timeout_s: float,
+    last_progress: float,
+    started_at: float,
+    ranked: bool,
+    running: bool,
+    stepped: bool = True,
+    startup_timeout_s: float = 0.0,
 ) -> bool:
     """A ranked trainer that made no step progress for ``timeout_s`` (since its start, or since the
-    last progress) is hung. A standby (no rank) waits by design; 0 turns the clock off."""
-    if timeout_s <= 0 or not running or not ranked:
+    last progress) is hung. Until its first step of the epoch (``stepped`` false) the limit is
+    ``startup_timeout_s`` instead: JAX's start-up, the restore and the compile of a large model are
+    no steps, and take minutes. A standby (no rank) waits by design; a limit of 0 turns its clock off."""
+    limit = timeout_s if stepped else startup_timeout_s
+    if limit <= 0 or not running or not ranked:
         return False
-    return now - max(last_progress, started_at) > timeout_s
+    return now - max(last_progress, started_at) > limit
 
 
 def lease_lost(state: AgentState, *, now: float, lease_s: float, running: bool, ranked: bool) -> Decision:

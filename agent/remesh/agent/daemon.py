@@ -133,6 +133,9 @@ class Agent:
         self.topology_changed = asyncio.Condition()
         self.last_step = -1
         self.last_progress = time.monotonic()
+        # Whether the trainer completed a step since its start or its epoch's: the hang clock's
+        # limit is the start-up timeout until it has.
+        self.stepped = False
         self.local_address = ""
         self.trainer: TrainerProcess | None = None
         self.warm: TrainerProcess | None = None
@@ -465,6 +468,8 @@ class Agent:
         if core.hung(
             now=now,
             timeout_s=self.settings.hang_timeout_s,
+            startup_timeout_s=self.settings.startup_timeout_s,
+            stepped=self.stepped,
             last_progress=self.last_progress,
             started_at=trainer.started_at,
             ranked=self._rank(self.topology) >= 0,
@@ -472,7 +477,10 @@ class Agent:
         ):
             silent = now - max(self.last_progress, trainer.started_at)
             self.log.warning(
-                "trainer hung: no step progress; killing it", silent_s=round(silent, 1), epoch=trainer.epoch
+                "trainer hung: no step progress; killing it",
+                silent_s=round(silent, 1),
+                epoch=trainer.epoch,
+                clock="step" if self.stepped else "start-up",
             )
             trainer.kill_hung()
 
@@ -496,6 +504,7 @@ class Agent:
             # The hang clock starts afresh with every epoch the host holds a rank in: joining one
             # (runtime, restore, compile) is no step progress, and must not count as a hang.
             self.last_progress = time.monotonic()
+            self.stepped = False
         self.topology = topology
         self.log = self.log.bind(epoch=topology.epoch)
         if changed and topology.epoch >= 2:  # every later epoch is a recovery's (or a drain's, a grow's)
@@ -559,6 +568,7 @@ class Agent:
     async def _start_trainer_locked(self, topology: pb.Topology, rank: int) -> None:
         self.state = self.state.trainer_started()
         self.last_progress = time.monotonic()
+        self.stepped = False
         warm = self.warm
         if warm is not None and warm.running():
             # Promote the standby: it waits on WatchAssignments and takes the rank at once.
@@ -712,6 +722,7 @@ class Agent:
             self.metrics.trainer_totals(totals)
         if step != self.last_step:
             self.last_progress = time.monotonic()
+            self.stepped = True
             self._progress.set()
         self.last_step = step
         return int(self.topology.epoch)

@@ -33,8 +33,10 @@ class AgentSettings:
     # gRPC, for local experiments (``remesh agent --insecure``).
     tls: Tls | None = None
     # A trainer that reports no step for this long is hung: killed and reported. 0 turns it off.
-    # Generous by default: the first step includes JAX start-up and compilation.
     hang_timeout_s: float = 120.0
+    # The same before a trainer's first step of an epoch (counted from its start or the epoch's): JAX
+    # start-up, the restore and the compile of a large model take minutes, on a loaded host more.
+    startup_timeout_s: float = 600.0
     # Reconnect backoff: doubling from the first to the cap, with jitter, so a restarted coordinator
     # is not hit by every agent at once, yet is found again within a second.
     reconnect_initial_s: float = 0.05

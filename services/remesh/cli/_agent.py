@@ -45,6 +45,13 @@ def add_parser(sub: Any) -> None:
         help="seconds without step progress before the trainer counts as hung (0: never)",
     )
     p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=600.0,
+        help="the same before the trainer's first step of an epoch: JAX start-up, restore and "
+        "compile (0: never)",
+    )
+    p.add_argument(
         "--no-warm-standby",
         action="store_true",
         help="do not keep a second, idle trainer process ready to replace the active one",
@@ -108,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
         job_id=args.job,
         local_listen=args.local_listen,
         hang_timeout_s=args.hang_timeout,
+        startup_timeout_s=args.startup_timeout,
         warm_standby=not args.no_warm_standby,
         lease_s=args.lease,
         trainer_nice=args.trainer_nice,

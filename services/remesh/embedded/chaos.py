@@ -173,9 +173,11 @@ class SoakSettings:
     # A killed leader replica is restarted on its port after this long (s).
     leader_restart_s: tuple[float, float] = (0.5, 3.0)
     # The agent's hang clock (--hang-timeout): a ranked trainer without step progress this long is
-    # killed. The clock also runs while a trainer starts JAX, restores and compiles: 12 s evicted
-    # healthy hosts in a cascade at start-up on a 2-core machine under a load average of 8.
+    # killed. Before its first step of an epoch (JAX start-up, restore, compile) the limit is
+    # --startup-timeout: one clock for both, 45 s, evicted healthy hosts at start-up on a 2-core
+    # machine running the test suite beside the soak (12 s did in a cascade at a load average of 8).
     hang_timeout_s: float = 45.0
+    trainer_startup_timeout_s: float = 180.0
     # The agent's lease (--lease): cut off this long, it stops its ranked trainer.
     lease_s: float = 5.0
     # The planner: never below this world size (waits, then halts after max_wait_s).
@@ -781,6 +783,8 @@ class SoakJob:
             extra=[
                 "--hang-timeout",
                 str(self.settings.hang_timeout_s),
+                "--startup-timeout",
+                str(self.settings.trainer_startup_timeout_s),
                 "--lease",
                 str(self.settings.lease_s),
             ],
@@ -1252,17 +1256,19 @@ class Soak:
         self._say(f">>> fault {fault.index}: {fault.detail} (epoch {fault.epoch_before})")
 
     def _hang(self, fault: Fault, pid: int) -> None:
-        """SIGSTOP the trainer; its agent must kill it within the hang timeout (plus a margin)."""
+        """SIGSTOP the trainer; its agent must kill it within its hang clock's limit (plus a margin):
+        the start-up timeout's if it had not stepped in its epoch yet."""
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGSTOP)
-        limit = time.time() + self.settings.hang_timeout_s + 30
+        wait_s = max(self.settings.hang_timeout_s, self.settings.trainer_startup_timeout_s) + 30
+        limit = time.time() + wait_s
         while time.time() < limit and _proc_state(pid) not in (None, "Z"):
             time.sleep(0.1)
         if _proc_state(pid) not in (None, "Z"):
             self._violate(
                 "hang_not_caught",
                 f"fault {fault.index}: the stopped trainer {pid} of {fault.targets[0]} is still there "
-                f"{self.settings.hang_timeout_s + 30:.0f}s later; SIGCONT",
+                f"{wait_s:.0f}s later; SIGCONT",
             )
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
