@@ -191,6 +191,8 @@ def remesh_run(
             str(folder / "ckpt"),
             "--checkpoint-every",
             str(args.checkpoint_every),
+            "--checkpoint-format",
+            args.checkpoint_format,
         ]
     watch = CpuWatch()
     try:
@@ -271,6 +273,12 @@ def main() -> int:
         help="the remesh run's expected seconds between failures (--snapshot-every auto)",
     )
     parser.add_argument("--checkpoint-every", type=int, default=10, help="remesh run (0: none)")
+    parser.add_argument(
+        "--checkpoint-format",
+        choices=("orbax", "pieces"),
+        default="orbax",
+        help="the remesh run's local sharded checkpoints: Orbax (the default) or one file of pieces a process",
+    )
     parser.add_argument(
         "--loop",
         choices=("session", "own"),
@@ -391,6 +399,7 @@ def main() -> int:
         "snapshot_every_at_end": sorted(int(s["snapshot_every"]) for s in stats),
         "mtbf_s": args.mtbf if args.snapshot_every == "auto" else None,
         "checkpoint_every": args.checkpoint_every,
+        "checkpoint_format": args.checkpoint_format,
         "plain_step_s_p50": round(p50_plain, 4),
         "remesh_step_s_p50": round(p50_remesh, 4),
         "hosts": args.hosts,

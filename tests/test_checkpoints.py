@@ -26,6 +26,7 @@ from structlog.testing import capture_logs
 
 from remesh.elastic.checkpoints import (
     AlreadyCommitted,
+    CheckpointError,
     Checkpoints,
     GcsCheckpoints,
     LocalCheckpoints,
@@ -246,6 +247,52 @@ def test_sharded_save_lists_crc32c_digests_and_a_corrupt_one_falls_back(tmp_path
     assert [e["step"] for e in warnings_about(logs, "corrupt")] == [2]
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state(1))
     assert_bitwise_equal(state(1), jax.tree.map(np.asarray, local.restore_global(1, target)))
+
+
+def test_a_sharded_state_written_as_pieces_is_restored_onto_another_layout(tmp_path: Path) -> None:
+    """Each process writes the pieces it holds the first replica of, one plain file each; a restore
+    assembles every leaf from them onto the shardings it asks for (here one device: whole leaves).
+    A file cut short, or a process's file missing (the state not covered), is refused as corrupt and
+    the step before it is restored."""
+    import jax
+
+    def halves(seed: int) -> tuple[dict[str, np.ndarray], list[dict[tuple[int, Any], np.ndarray]]]:
+        rng = np.random.default_rng(seed)
+        w = rng.standard_normal((4, 6)).astype(np.float32)
+        count = np.asarray(seed, dtype=np.int32)
+        # Two "processes": w split in rows between them, the scalar held (first replica) by one.
+        return {"count": count, "w": w}, [
+            {(1, ((0, 2), (0, 6))): w[:2], (0, ()): count},
+            {(1, ((2, 4), (0, 6))): w[2:]},
+        ]
+
+    local = LocalCheckpoints(tmp_path / "ckpt", pieces=True)
+    for step in (1, 2, 3):
+        assert local.prepare_global(step, 1)
+        for rank, pieces in enumerate(halves(step)[1]):
+            local.write_pieces(step, rank, 1, pieces)
+        local.commit_global(step, 1, {"step": step})
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), halves(1)[0])
+    restored = local.restore_global(3, target)
+    assert_bitwise_equal(halves(3)[0], jax.tree.map(np.asarray, restored))
+
+    state = tmp_path / "ckpt" / "step_0000000003" / "state"
+    files = sorted(state.glob("*.pieces"))
+    assert [f.name for f in files] == ["process_00000.pieces", "process_00001.pieces"]
+    # Cut short after its commit: the manifest's size no longer matches.
+    files[1].write_bytes(files[1].read_bytes()[:-8])
+    with capture_logs() as logs:
+        assert local.latest_viable() == 2
+    assert [e["step"] for e in warnings_about(logs, "corrupt")] == [3]
+    # A commit listing one process's file only: rank 0 would not commit it, but a reader must not
+    # build a state with a hole in it either.
+    assert local.prepare_global(4, 1)
+    local.write_pieces(4, 0, 1, halves(4)[1][0])
+    local.commit_global(4, 1, {"step": 4})
+    with pytest.raises(CheckpointError, match="leaf 1 is not covered"):
+        local.restore_global(4, target)
+    assert_bitwise_equal(halves(2)[0], jax.tree.map(np.asarray, local.restore_global(2, target)))
 
 
 def test_corrupt_gcs_step_falls_back(gcs: FakeGcsServer, bucket: str, tmp_path: Path) -> None:

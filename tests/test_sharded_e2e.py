@@ -236,6 +236,51 @@ def test_fsdp_restored_from_the_shards_every_host_wrote_to_gcs_is_bitwise_equal(
         cluster.close()
 
 
+def test_fsdp_restored_from_the_pieces_every_host_wrote_to_a_local_directory_is_bitwise_equal(
+    tmp_path: Path, redis: RedisServer, clean_fsdp: tuple[Path, Path]
+) -> None:
+    """No host-memory tier: every 5 steps each host writes its own pieces as one plain file
+    (--checkpoint-format pieces), rank 0 commits once all say they wrote; after a SIGKILL the new
+    epoch's members assemble their shards from those files, and the run ends bitwise equal."""
+    ckpt = tmp_path / "ckpt"
+    final, cluster = run_job(
+        tmp_path,
+        redis.url,
+        spares=1,
+        victim="host-1",
+        trainer_args=(
+            *FSDP,
+            "--no-snapshots",
+            "--checkpoint-dir",
+            str(ckpt),
+            "--checkpoint-format",
+            "pieces",
+            "--checkpoint-every",
+            "5",
+        ),
+    )
+    try:
+        tiers = acks(cluster, 2)
+        assert sorted(tiers) == ["host-0", "host-2", "spare-0"]
+        assert all(set(t) == {"local"} and t["local"] > 0 for t in tiers.values()), tiers
+        (restored,) = {
+            int(e.details["restored_step"])
+            for e in cluster.events()
+            if e.type == pb.EVENT_TYPE_EPOCH_ACKED and e.epoch == 2
+        }
+        assert restored % 5 == 0 and restored > 0, restored
+        step_dir = max(p.parent for p in ckpt.glob("step_*/COMMITTED"))
+        # One file per process, and no Orbax data beside them.
+        assert sorted(p.name for p in (step_dir / "state").iterdir()) == [
+            f"process_{r:05d}.pieces" for r in range(3)
+        ]
+        clean, _ = clean_fsdp
+        for a, b in zip(leaves(final), leaves(clean), strict=True):
+            assert a.tobytes() == b.tobytes(), "the state differs from the run without failure"
+    finally:
+        cluster.close()
+
+
 PLAIN_ORBAX = textwrap.dedent(
     """
     import sys

@@ -78,7 +78,7 @@ from remesh.elastic.sharding import (
     Layout,
     Offer,
     Uncovered,
-    assemble,
+    build,
     build_mesh,
     cell_of,
     needed_cells,
@@ -132,6 +132,11 @@ class CheckpointStore(Protocol):
     def prepare_global(self, step: int, epoch: int) -> bool: ...
 
     def write_global(self, step: int, state: PyTree) -> None: ...
+
+    # ... as one plain file of its pieces per process (``write_pieces``) rather than with Orbax.
+    writes_pieces: bool
+
+    def write_pieces(self, step: int, rank: int, layout: int, pieces: Pieces) -> int: ...
 
     def commit_global(
         self, step: int, epoch: int, extra: Mapping[str, Any] | None = None, approve: Approve | None = None
@@ -1188,27 +1193,7 @@ class Session:
 
     def _build(self, pieces: Pieces, shardings: list[NamedSharding]) -> list[jax.Array]:
         """The state's leaves on the new mesh, each device's part assembled from ``pieces``."""
-        by_leaf: dict[int, list[tuple[Cell, np.ndarray]]] = {}
-        for (leaf, cell), values in pieces.items():
-            by_leaf.setdefault(leaf, []).append((cell, values))
-        leaves: list[jax.Array] = []
-        for i, (sharding, (shape, dtype)) in enumerate(zip(shardings, self._shapes(), strict=True)):
-            parts: dict[Cell, np.ndarray] = {}
-
-            def part(
-                index: tuple[slice, ...] | None,
-                i: int = i,
-                shape: tuple[int, ...] = shape,
-                dtype: Any = dtype,
-                parts: dict[Cell, np.ndarray] = parts,
-            ) -> np.ndarray:
-                cell = cell_of(index, shape)
-                if cell not in parts:
-                    parts[cell] = assemble(cell, by_leaf.get(i, []), dtype)
-                return parts[cell]
-
-            leaves.append(jax.make_array_from_callback(shape, sharding, part))
-        return leaves
+        return build(pieces, self._shapes(), shardings)
 
     def _restore_from_storage(
         self, assignment: Assignment, shardings: list[NamedSharding]
@@ -1440,6 +1425,10 @@ class Session:
             # does with them queues on the devices among the next steps' collectives, in an order
             # that differs between processes (the step's gloo collectives then time out).
             jax.block_until_ready(tree)
+            leaves = jax.tree_util.tree_leaves(tree)
+            # This process writes the shards it holds the first replica of.
+            firsts = [(i, s) for i, x in enumerate(leaves) for s in x.addressable_shards if s.replica_id == 0]
+            pieces: Pieces = {(i, cell_of(s.index, leaves[i].shape)): np.asarray(s.data) for i, s in firsts}
             for store in self.checkpoints:
                 if not store.sharded_saves:
                     continue
@@ -1448,15 +1437,21 @@ class Session:
                     f"ckpt-{store.name}-{step}", ok, self.policy.init_timeout_s
                 )[0]:
                     continue
-                store.write_global(step, tree)
+                if store.writes_pieces:
+                    # No barrier inside a plain write, unlike Orbax's: every process says it wrote
+                    # (1) or failed (0) before rank 0 commits.
+                    written = self._write_pieces(store, step, assignment, pieces)
+                    if not all(
+                        self.runtime.allgather_int(
+                            f"ckpt-{store.name}-{step}-written", written, self.policy.init_timeout_s
+                        )
+                    ):
+                        log.warning("sharded checkpoint not committed: a process could not write", step=step)
+                        continue
+                else:
+                    store.write_global(step, tree)
                 self.stats["checkpoints"] += 1
-                # This process writes the shards it holds the first replica of.
-                self.stats["checkpoint_bytes"] += sum(
-                    int(s.data.nbytes)
-                    for x in jax.tree_util.tree_leaves(tree)
-                    for s in x.addressable_shards
-                    if s.replica_id == 0
-                )
+                self.stats["checkpoint_bytes"] += sum(int(p.nbytes) for p in pieces.values())
                 if assignment.rank == 0:
                     try:
                         store.commit_global(step, assignment.epoch, {"step": step}, approve=self._approve)
@@ -1466,6 +1461,15 @@ class Session:
             log.warning("sharded checkpoint save failed", step=step, error=str(exc).splitlines()[0])
         finally:
             self.stats["checkpoint_save_s"] += time.monotonic() - t
+
+    @staticmethod
+    def _write_pieces(store: CheckpointStore, step: int, assignment: Assignment, pieces: Pieces) -> int:
+        try:
+            store.write_pieces(step, assignment.rank, assignment.epoch, pieces)
+            return 1
+        except Exception as exc:  # said to the others, who then do not wait for a commit
+            log.warning("sharded checkpoint not written", store=store.name, step=step, error=str(exc))
+            return 0
 
     @staticmethod
     def _prepare_sharded(store: CheckpointStore, step: int, epoch: int) -> int:

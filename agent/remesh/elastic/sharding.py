@@ -39,6 +39,7 @@ __all__ = [
     "Offer",
     "Uncovered",
     "assemble",
+    "build",
     "build_mesh",
     "cell_of",
     "fit",
@@ -181,6 +182,36 @@ def intersect(a: Cell, b: Cell) -> Cell | None:
 
 def _local(box: Cell, within: Cell) -> tuple[slice, ...]:
     return tuple(slice(lo - base, hi - base) for (lo, hi), (base, _) in zip(box, within, strict=True))
+
+
+def build(
+    pieces: Mapping[tuple[int, Cell], np.ndarray],
+    shapes: Sequence[tuple[tuple[int, ...], Any]],
+    shardings: Sequence[NamedSharding],
+) -> list[jax.Array]:
+    """Leaves of ``shapes`` (shape, dtype) laid out by ``shardings``, each device's part assembled
+    from ``pieces`` ((leaf, cell) -> values, cut by any other layout) that together cover it."""
+    by_leaf: dict[int, list[tuple[Cell, np.ndarray]]] = {}
+    for (leaf, cell), values in pieces.items():
+        by_leaf.setdefault(leaf, []).append((cell, values))
+    leaves: list[jax.Array] = []
+    for i, (sharding, (shape, dtype)) in enumerate(zip(shardings, shapes, strict=True)):
+        parts: dict[Cell, np.ndarray] = {}
+
+        def part(
+            index: tuple[slice, ...] | None,
+            i: int = i,
+            shape: tuple[int, ...] = shape,
+            dtype: Any = dtype,
+            parts: dict[Cell, np.ndarray] = parts,
+        ) -> np.ndarray:
+            cell = cell_of(index, shape)
+            if cell not in parts:
+                parts[cell] = assemble(cell, by_leaf.get(i, []), dtype)
+            return parts[cell]
+
+        leaves.append(jax.make_array_from_callback(shape, sharding, part))
+    return leaves
 
 
 def assemble(region: Cell, pieces: Iterable[tuple[Cell, np.ndarray]], dtype: Any) -> np.ndarray:

@@ -31,7 +31,7 @@ import structlog
 from remesh.elastic.exchange import Pieces, decode_key, encode_key
 from remesh.elastic.sharding import volume
 
-__all__ = ["Snapshot", "Snapshots"]
+__all__ = ["Snapshot", "Snapshots", "fits", "read_pieces", "write_pieces"]
 
 log = structlog.get_logger("remesh.elastic")
 
@@ -115,28 +115,15 @@ class Snapshots:
         """One file per step: a JSON header (restore point, and dtype, shape and offset of every
         piece), then the raw bytes of each piece; written whole under a temporary name, then renamed."""
         assert self.directory is not None
-        entries: list[list[Any]] = []
-        offsets: list[int] = []
-        offset = 0
-        for key, values in pieces.items():
-            offset = -(-offset // _ALIGN) * _ALIGN
-            entries.append([encode_key(key), values.dtype.str, list(values.shape), offset, values.nbytes])
-            offsets.append(offset)
-            offset += values.nbytes
-        header = json.dumps({"step": step, "layout": layout, "pieces": entries, "size": offset}).encode()
-        start = -(-(len(_MAGIC) + 8 + len(header)) // _ALIGN) * _ALIGN
+        head, size = _layout(step, layout, pieces)
         tmp = self.directory / f".step_{step:010d}{_SUFFIX}.tmp"
         # Written over a retired file of the same size where one is free: its pages are allocated
         # already (a new file of tens of megabytes in tmpfs costs three times the copy, in faults).
-        spare = self._take_spare(start + offset)
+        spare = self._take_spare(size)
         if spare is not None:
             os.replace(spare, tmp)
         with open(tmp, "r+b" if spare is not None else "wb") as f:
-            f.write(_MAGIC + len(header).to_bytes(8, "little") + header)
-            for at, values in zip(offsets, pieces.values(), strict=True):
-                f.seek(start + at)
-                f.write(np.require(values, requirements="C").data.cast("B"))
-            f.truncate(start + offset)
+            _dump(f, head, size, pieces)
         final = self.directory / f"step_{step:010d}{_SUFFIX}"
         os.replace(tmp, final)
         # Keep the steps held in memory (the newest, and those a buddy copied); any "newer" ones
@@ -244,13 +231,61 @@ class Snapshots:
                 error=f"{type(exc).__name__}: {exc}",
             )
             return None
-        if not _fits(pieces, shapes):
+        if not fits(pieces, shapes):
             log.warning("host snapshot does not fit this model; ignoring it", step=step, path=str(path))
             return None
         return Snapshot(step, layout, pieces, "host-shm")
 
 
-def _fits(pieces: Pieces, shapes: Sequence[tuple[tuple[int, ...], Any]]) -> bool:
+def write_pieces(path: Path, step: int, layout: int, pieces: Pieces) -> int:
+    """``pieces`` in the snapshot file format at ``path``, synced to its disk: written under a
+    temporary name, then renamed (a reader never finds half a file). Returns its size in bytes.
+    Each write of a piece's bytes releases the interpreter lock."""
+    head, size = _layout(step, layout, pieces)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        _dump(f, head, size, pieces)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return size
+
+
+def read_pieces(path: Path) -> tuple[int, Pieces]:
+    """The layout and pieces of a file ``write_pieces`` (or a snapshot) wrote, mapped into memory:
+    a piece's bytes are read when used. ValueError if it is not whole."""
+    layout, pieces, _ = _read(path)
+    return layout, pieces
+
+
+def _layout(step: int, layout: int, pieces: Pieces) -> tuple[bytes, int]:
+    """A file's header (magic, length, JSON: restore point, and dtype, shape and offset of every
+    piece) padded to where the pieces start, and the file's size."""
+    entries: list[list[Any]] = []
+    offset = 0
+    for key, values in pieces.items():
+        offset = -(-offset // _ALIGN) * _ALIGN
+        entries.append([encode_key(key), values.dtype.str, list(values.shape), offset, values.nbytes])
+        offset += values.nbytes
+    header = json.dumps({"step": step, "layout": layout, "pieces": entries, "size": offset}).encode()
+    head = _MAGIC + len(header).to_bytes(8, "little") + header
+    start = -(-len(head) // _ALIGN) * _ALIGN
+    return head.ljust(start, b"\0"), start + offset
+
+
+def _dump(f: Any, head: bytes, size: int, pieces: Pieces) -> None:
+    """Write a file ``_layout`` described: the header, then each piece at its aligned offset."""
+    f.write(head)
+    offset = 0
+    for values in pieces.values():
+        offset = -(-offset // _ALIGN) * _ALIGN
+        f.seek(len(head) + offset)
+        f.write(np.require(values, requirements="C").data.cast("B"))
+        offset += values.nbytes
+    f.truncate(size)
+
+
+def fits(pieces: Pieces, shapes: Sequence[tuple[tuple[int, ...], Any]]) -> bool:
     for (leaf, cell), values in pieces.items():
         if not 0 <= leaf < len(shapes):
             return False

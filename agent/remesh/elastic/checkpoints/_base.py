@@ -29,6 +29,9 @@ from remesh.elastic.errors import (
     NoViableCheckpoint,
     StaleEpoch,
 )
+from remesh.elastic.exchange import Pieces
+from remesh.elastic.sharding import build, volume
+from remesh.elastic.snapshots import fits, read_pieces
 
 log = structlog.get_logger("remesh.elastic.checkpoints")
 
@@ -39,6 +42,8 @@ Approve = Callable[[int, int, str], None]
 # The commits the arbiter accepted, (step, epoch); None trusts every marker (no arbiter).
 Trusted = Collection[tuple[int, int]] | None
 STATE = "state"
+# A sharded state's file of one process's pieces (``write_pieces``), in the step's STATE directory.
+PIECES_SUFFIX = ".pieces"
 MARKER = "COMMITTED"
 FENCE = "EPOCH_FENCE"
 _STEP_DIR = re.compile(r"^step_(\d{10})$")
@@ -89,6 +94,12 @@ class _Marker:
         if not files or not isinstance(raw["extra"], dict):
             raise ValueError("marker lists no files")
         return cls(int(raw["step"]), int(raw["epoch"]), float(raw["time"]), raw["extra"], files)
+
+
+def covered_by(pieces: Pieces, leaf: int, shape: tuple[int, ...]) -> bool:
+    """Whether the pieces of ``leaf`` cover all of it: distinct cells of one layout (each process
+    wrote the shards it holds the first replica of), so their volumes add up to the leaf's."""
+    return sum(volume(cell) for (i, cell) in pieces if i == leaf) == volume(tuple((0, n) for n in shape))
 
 
 def _step_name(step: int) -> str:
@@ -198,6 +209,9 @@ class Checkpoints(abc.ABC):
     # Whether every process can write its own shards of a sharded state here (``write_global``):
     # the tier must be a place every host reaches.
     sharded_saves = False
+    # Whether a sharded state is written here as each process's pieces, one plain file per process
+    # (``write_pieces``), instead of by Orbax: a tenth of the CPU (see ``write_pieces``).
+    writes_pieces = False
 
     def __init__(
         self, clock: Callable[[], float] = time.time, max_to_keep: int | None = 3, compress: bool = False
@@ -282,6 +296,14 @@ class Checkpoints(abc.ABC):
         with _orbax_global(self.compress) as checkpointer:
             checkpointer.save(path, args=ocp.args.PyTreeSave(state))
 
+    def write_pieces(self, step: int, rank: int, layout: int, pieces: Pieces) -> int:
+        """Every process: its pieces of ``step`` (the distinct shards it holds the first replica of,
+        as host arrays: (leaf, cell) -> values, laid out by epoch ``layout``'s mesh) as one file of
+        the step; returns its size. One plain write of the bytes, the interpreter lock released:
+        an Orbax save of the same 64 MiB (81 arrays) took 0.19-0.27 CPU seconds, this 0.017, and on
+        a host whose cores run the step that CPU is taken from the step beside it."""
+        raise CheckpointError(f"the {self.name} tier writes a sharded state with Orbax (write_global)")
+
     def commit_global(
         self, step: int, epoch: int, extra: Mapping[str, Any] | None = None, approve: Approve | None = None
     ) -> None:
@@ -337,6 +359,8 @@ class Checkpoints(abc.ABC):
         if not exact:
             raise NoViableCheckpoint(f"step {step} is not committed in {self.name}")
         directory = self._fetch(exact[0])
+        if isinstance(directory, Path) and any((directory / STATE).glob(f"*{PIECES_SUFFIX}")):
+            return self._restore_pieces(step, directory / STATE, target)
         args = ocp.checkpoint_utils.construct_restore_args(target)
         with _orbax_global() as checkpointer:
             state = checkpointer.restore(
@@ -344,6 +368,27 @@ class Checkpoints(abc.ABC):
             )
         log.info("sharded checkpoint restored", step=step, source=self.name)
         return state
+
+    def _restore_pieces(self, step: int, state_dir: Path, target: PyTree) -> PyTree:
+        """The pieces every process wrote, read where this process's devices need them, onto the
+        shardings of ``target``. Files that do not fit the target, or leave part of it uncovered,
+        are corrupt: ``CheckpointError``, the restore falls back as for an unreadable Orbax step."""
+        leaves, treedef = jax.tree_util.tree_flatten(target)
+        shapes = [(tuple(x.shape), np.dtype(x.dtype)) for x in leaves]
+        pieces: Pieces = {}
+        try:
+            for path in sorted(state_dir.glob(f"*{PIECES_SUFFIX}")):
+                pieces.update(read_pieces(path)[1])
+            if not fits(pieces, shapes):
+                raise ValueError("pieces that do not fit the state's shapes and dtypes")
+            gaps = [i for i, (shape, _) in enumerate(shapes) if not covered_by(pieces, i, shape)]
+            if gaps:
+                raise ValueError(f"leaf {gaps[0]} is not covered by the pieces written")
+            state = build(pieces, shapes, [x.sharding for x in leaves])
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"step {step} in {self.name} is unreadable: {exc}") from exc
+        log.info("sharded checkpoint restored", step=step, source=self.name, pieces=len(pieces))
+        return jax.tree_util.tree_unflatten(treedef, state)
 
     def _global_dir(self, step: int) -> Any:
         """Where every process writes its shards of ``step`` (a ``Path``, or an ``epath.Path``)."""
