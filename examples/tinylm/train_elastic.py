@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=("orbax", "pieces"),
         default="orbax",
         help="how a sharded state is written to --checkpoint-dir: Orbax (readable by any Orbax "
-        "program) or each process's pieces as one plain file (a tenth of the CPU; remesh reads it)",
+        "program) or each process's pieces as one plain file (a sixth of the CPU; remesh reads it)",
     )
     p.add_argument(
         "--gcs",

@@ -54,7 +54,7 @@ class LocalCheckpoints(Checkpoints):
         super().__init__(clock, max_to_keep, compress)
         self.name = "local"
         self.directory = Path(directory)
-        # A sharded state as one plain file per process (``write_pieces``): a tenth of an Orbax
+        # A sharded state as one plain file per process (``write_pieces``): a sixth of an Orbax
         # save's CPU, for a frequent tier; readable by remesh only, so off by default (an Orbax
         # checkpoint opens in any Orbax program, onto any mesh). A restore reads either layout.
         self.writes_pieces = pieces
