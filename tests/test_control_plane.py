@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 import pytest
 
-from remesh.coordinator.model import ClusterState, Event, EventType, replay
+from remesh.coordinator.model import ClusterState, Event, EventType, Member, replay
 from remesh.coordinator.model import Role as MemberRole
 from remesh.coordinator.service import Coordinator
 from remesh.coordinator.settings import DetectorSettings, PlannerSettings, Settings
@@ -518,6 +518,23 @@ def test_the_last_step_is_stored_before_the_job_is_said_finished(cluster: Cluste
             host.stop()
 
 
+async def two_members_in_a_live_epoch(coordinator: Coordinator) -> tuple[Member, Member, int]:
+    """host-a and host-b registered, heartbeating and acknowledging the first epoch: its number."""
+    a = await coordinator.register("host-a", MemberRole.ACTIVE, 1, "10.0.0.1")
+    b = await coordinator.register("host-b", MemberRole.ACTIVE, 1, "10.0.0.2")
+    for member in (a, b):
+        await coordinator.heartbeat(member.host_id, member.incarnation, -1)
+    for _ in range(250):
+        if coordinator.state.topology is not None:
+            break
+        await asyncio.sleep(0.02)
+    epoch = coordinator.state.epoch
+    assert epoch >= 1, "no epoch formed"
+    for member in (a, b):
+        await coordinator.ack_epoch(member.host_id, member.incarnation, epoch, 0, "fresh", {})
+    return a, b, epoch
+
+
 def test_a_last_step_heard_before_finish_is_stored_with_it(redis_server: RedisServer, job_id: str) -> None:
     """The beat carrying the last step arrived first and waits in memory for the next progress
     flush (every second): Finish stores it, and every other dirty step, before the job is finished."""
@@ -527,18 +544,7 @@ def test_a_last_step_heard_before_finish_is_stored_with_it(redis_server: RedisSe
         coordinator = Coordinator(settings, RedisStore(redis_server.url, job_id))
         await coordinator.start()
         try:
-            a = await coordinator.register("host-a", MemberRole.ACTIVE, 1, "10.0.0.1")
-            b = await coordinator.register("host-b", MemberRole.ACTIVE, 1, "10.0.0.2")
-            for member in (a, b):
-                await coordinator.heartbeat(member.host_id, member.incarnation, -1)
-            for _ in range(250):
-                if coordinator.state.topology is not None:
-                    break
-                await asyncio.sleep(0.02)
-            epoch = coordinator.state.epoch
-            assert epoch >= 1, "no epoch formed"
-            for member in (a, b):
-                await coordinator.ack_epoch(member.host_id, member.incarnation, epoch, 0, "fresh", {})
+            a, b, epoch = await two_members_in_a_live_epoch(coordinator)
             await coordinator.heartbeat("host-a", a.incarnation, 300)
             await coordinator.heartbeat("host-b", b.incarnation, 300)
             await coordinator.finish("host-a", a.incarnation, epoch, 300)
@@ -565,18 +571,8 @@ def test_a_beat_of_an_older_step_during_finish_does_not_undo_the_last_step(
         coordinator = Coordinator(settings, RedisStore(redis_server.url, job_id))
         await coordinator.start()
         try:
-            a = await coordinator.register("host-a", MemberRole.ACTIVE, 1, "10.0.0.1")
-            b = await coordinator.register("host-b", MemberRole.ACTIVE, 1, "10.0.0.2")
+            a, b, epoch = await two_members_in_a_live_epoch(coordinator)
             for member in (a, b):
-                await coordinator.heartbeat(member.host_id, member.incarnation, -1)
-            for _ in range(250):
-                if coordinator.state.topology is not None:
-                    break
-                await asyncio.sleep(0.02)
-            epoch = coordinator.state.epoch
-            assert epoch >= 1, "no epoch formed"
-            for member in (a, b):
-                await coordinator.ack_epoch(member.host_id, member.incarnation, epoch, 0, "fresh", {})
                 await coordinator.heartbeat(member.host_id, member.incarnation, 41)
             commit = coordinator.store.commit
 
