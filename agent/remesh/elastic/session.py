@@ -1428,7 +1428,8 @@ class Session:
             leaves = jax.tree_util.tree_leaves(tree)
             # This process writes the shards it holds the first replica of.
             firsts = [(i, s) for i, x in enumerate(leaves) for s in x.addressable_shards if s.replica_id == 0]
-            pieces: Pieces = {(i, cell_of(s.index, leaves[i].shape)): np.asarray(s.data) for i, s in firsts}
+            nbytes = sum(int(s.data.nbytes) for _, s in firsts)
+            pieces: Pieces | None = None  # host arrays, made only for a tier that writes pieces
             for store in self.checkpoints:
                 if not store.sharded_saves:
                     continue
@@ -1440,6 +1441,10 @@ class Session:
                 if store.writes_pieces:
                     # No barrier inside a plain write, unlike Orbax's: every process says it wrote
                     # (1) or failed (0) before rank 0 commits.
+                    if pieces is None:
+                        pieces = {
+                            (i, cell_of(s.index, leaves[i].shape)): np.asarray(s.data) for i, s in firsts
+                        }
                     written = self._write_pieces(store, step, assignment, pieces)
                     if not all(
                         self.runtime.allgather_int(
@@ -1451,7 +1456,7 @@ class Session:
                 else:
                     store.write_global(step, tree)
                 self.stats["checkpoints"] += 1
-                self.stats["checkpoint_bytes"] += sum(int(p.nbytes) for p in pieces.values())
+                self.stats["checkpoint_bytes"] += nbytes
                 if assignment.rank == 0:
                     try:
                         store.commit_global(step, assignment.epoch, {"step": step}, approve=self._approve)
