@@ -6,6 +6,7 @@ save or restore by one process alone neither waits for nor disturbs the other.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -19,6 +20,7 @@ from collections.abc import Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
 
+import google_crc32c
 import numpy as np
 import pytest
 from google.api_core import exceptions as gexc
@@ -280,6 +282,12 @@ def test_a_sharded_state_written_as_pieces_is_restored_onto_another_layout(tmp_p
     state = tmp_path / "ckpt" / "step_0000000003" / "state"
     files = sorted(state.glob("*.pieces"))
     assert [f.name for f in files] == ["process_00000.pieces", "process_00001.pieces"]
+    # The commit took each file's digest from its writer (rank 0 read none of them): the right one.
+    marker = json.loads((state.parent / "COMMITTED").read_text())
+    for f in files:
+        entry = marker["files"][f"state/{f.name}"]
+        crc = base64.b64encode(google_crc32c.Checksum(f.read_bytes()).digest()).decode()
+        assert (entry["size"], entry["digest"]) == (f.stat().st_size, f"crc32c:{crc}")
     # Cut short after its commit: the manifest's size no longer matches.
     files[1].write_bytes(files[1].read_bytes()[:-8])
     with capture_logs() as logs:

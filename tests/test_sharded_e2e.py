@@ -270,9 +270,9 @@ def test_fsdp_restored_from_the_pieces_every_host_wrote_to_a_local_directory_is_
         }
         assert restored % 5 == 0 and restored > 0, restored
         step_dir = max(p.parent for p in ckpt.glob("step_*/COMMITTED"))
-        # One file per process, and no Orbax data beside them.
+        # One file per process and its writer's digest of it, and no Orbax data beside them.
         assert sorted(p.name for p in (step_dir / "state").iterdir()) == [
-            f"process_{r:05d}.pieces" for r in range(3)
+            f"process_{r:05d}.pieces{suffix}" for r in range(3) for suffix in ("", ".crc32c")
         ]
         clean, _ = clean_fsdp
         for a, b in zip(leaves(final), leaves(clean), strict=True):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import shutil
 import time
@@ -14,12 +15,14 @@ import structlog
 
 from remesh.elastic.checkpoints._base import (
     _STEP_DIR,
+    DIGEST_SUFFIX,
     FENCE,
     MARKER,
     PIECES_SUFFIX,
     STATE,
     Checkpoints,
     _Corrupt,
+    _crc32c,
     _decode_fence,
     _encode_fence,
     _Marker,
@@ -69,8 +72,11 @@ class LocalCheckpoints(Checkpoints):
     def write_pieces(self, step: int, rank: int, layout: int, pieces: Pieces) -> int:
         state = self._global_dir(step) / STATE
         state.mkdir(parents=True, exist_ok=True)
-        size = write_pieces(state / f"process_{rank:05d}{PIECES_SUFFIX}", step, layout, pieces)
-        _sync_dir(state)
+        path = state / f"process_{rank:05d}{PIECES_SUFFIX}"
+        size = write_pieces(path, step, layout, pieces)
+        # Read back here, from this host's page cache, so that rank 0's commit does not read it.
+        told = json.dumps({"size": size, "digest": _crc32c(path)}).encode()
+        _write_atomically(path.with_name(path.name + DIGEST_SUFFIX), told)
         return size
 
     def _listing(self) -> tuple[set[int], set[int]]:
