@@ -142,7 +142,9 @@ class CheckpointStore(Protocol):
         self, step: int, epoch: int, extra: Mapping[str, Any] | None = None, approve: Approve | None = None
     ) -> None: ...
 
-    def restore_global(self, step: int, target: PyTree, trusted: Trusted = None) -> PyTree: ...
+    def restore_global(
+        self, step: int, target: PyTree, trusted: Trusted = None, verified: bool = False
+    ) -> PyTree: ...
 
 
 @dataclass(frozen=True)
@@ -1205,7 +1207,7 @@ class Session:
         # launched again (the full restart) resumes from what an earlier run committed, guarded by
         # the epoch fence only; once this job commits, only its own accepted commits count.
         trusted: Trusted = assignment.commits or None
-        candidate = self._newest_checkpoint(target, trusted) if assignment.rank == 0 else -1
+        candidate, tier = self._newest_checkpoint(target, trusted) if assignment.rank == 0 else (-1, -1)
         chosen = self.runtime.allgather_int("checkpoint", candidate, self.policy.init_timeout_s)[0]
         if chosen < 0:
             if target > 0:
@@ -1222,31 +1224,39 @@ class Session:
             tree_shardings = jax.tree_util.tree_unflatten(self._treedef, shardings)
             init = jax.jit(self._init_state, out_shardings=tree_shardings)()
             return jax.tree_util.tree_leaves(init), 0, "scratch", {}
-        for store in self.checkpoints:
+        template = self._template_leaves()
+        if self._sharded(shardings):
+            # A sharded state is in a tier every host reaches: the one rank 0 chose it from, having
+            # read every file of the step against its marker. The others do not read them all again
+            # (each process restores a share; checking every file is the whole state, on every host).
+            store = self.checkpoints[
+                self.runtime.allgather_int("checkpoint-tier", tier, self.policy.init_timeout_s)[0]
+            ]
+            self.snapshots.clear()
+            self.buddies.clear()
+            abstract = jax.tree_util.tree_unflatten(
+                self._treedef,
+                [
+                    jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+                    for x, s in zip(template, shardings, strict=True)
+                ],
+            )
+            try:
+                with peer_failures():
+                    tree = store.restore_global(chosen, abstract, trusted, verified=True)
+            except CheckpointError as exc:  # gone or cut short since rank 0 read it
+                raise RestartProcess(f"checkpoint of step {chosen} chosen by rank 0: {exc}") from exc
+            leaves = jax.tree_util.tree_leaves(tree)
+            nbytes = sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.replica_id == 0)
+            return leaves, chosen, store.name, {store.name: int(nbytes)}
+        for store in self.checkpoints:  # a replicated state: any tier this host reaches that holds it
             if (store.latest_viable(chosen, trusted) or -1) != chosen:
                 continue
             self.snapshots.clear()
             self.buddies.clear()
-            template = self._template_leaves()
-            if self._sharded(shardings):
-                abstract = jax.tree_util.tree_unflatten(
-                    self._treedef,
-                    [
-                        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-                        for x, s in zip(template, shardings, strict=True)
-                    ],
-                )
-                with peer_failures():
-                    tree = store.restore_global(chosen, abstract, trusted)
-                leaves = jax.tree_util.tree_leaves(tree)
-            else:
-                tree = store.restore_state(
-                    chosen, jax.tree_util.tree_unflatten(self._treedef, template), trusted
-                )
-                host = jax.tree_util.tree_leaves(tree)
-                leaves = self._build(
-                    {(i, whole(x.shape)): np.asarray(x) for i, x in enumerate(host)}, shardings
-                )
+            tree = store.restore_state(chosen, jax.tree_util.tree_unflatten(self._treedef, template), trusted)
+            host = jax.tree_util.tree_leaves(tree)
+            leaves = self._build({(i, whole(x.shape)): np.asarray(x) for i, x in enumerate(host)}, shardings)
             nbytes = sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.replica_id == 0)
             return leaves, chosen, store.name, {store.name: int(nbytes)}
         raise RestartProcess(f"checkpoint of step {chosen} chosen by rank 0 is not readable here")
@@ -1255,14 +1265,15 @@ class Session:
     def _sharded(shardings: Sequence[NamedSharding]) -> bool:
         return any(not s.is_fully_replicated for s in shardings)
 
-    def _newest_checkpoint(self, target: int, trusted: Trusted) -> int:
-        """The newest checkpoint at or below ``target`` whose commit the coordinator accepted."""
-        best = -1
-        for store in self.checkpoints:
+    def _newest_checkpoint(self, target: int, trusted: Trusted) -> tuple[int, int]:
+        """The newest checkpoint at or below ``target`` whose commit the coordinator accepted and
+        whose files match its marker, and the index of the tier holding it (-1, -1: none)."""
+        best, tier = -1, -1
+        for i, store in enumerate(self.checkpoints):
             step = store.latest_viable(None if target < 0 else target, trusted)
             if step is not None and step > best:
-                best = step
-        return best
+                best, tier = step, i
+        return best, tier
 
     # ---- buddy copies ----------------------------------------------------------------------------
 

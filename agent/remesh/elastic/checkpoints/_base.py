@@ -374,13 +374,21 @@ class Checkpoints(abc.ABC):
             files[path.relative_to(step_dir).as_posix()] = _told(path) or (path.stat().st_size, _crc32c(path))
         return files
 
-    def restore_global(self, step: int, target: PyTree, trusted: Trusted = None) -> PyTree:
+    def restore_global(
+        self, step: int, target: PyTree, trusted: Trusted = None, verified: bool = False
+    ) -> PyTree:
         """Every process: exactly step ``step`` onto the shardings of ``target`` (``jax.ShapeDtypeStruct``
-        leaves with shardings), each process reading the shards its devices hold."""
+        leaves with shardings), each process reading the shards its devices hold. ``verified``: the
+        caller checked the step's files against its marker already (``latest_viable``: rank 0, as it
+        chose the step), so only their presence and sizes are checked here; else every file is read
+        for its digest, which on N hosts is N times what each restores."""
         exact = [m for m in self._candidates(step, trusted) if m.step == step]
         if not exact:
             raise NoViableCheckpoint(f"step {step} is not committed in {self.name}")
-        directory = self._fetch(exact[0])
+        try:
+            directory = self._present(exact[0]) if verified else self._fetch(exact[0])
+        except _Corrupt as exc:
+            raise CheckpointError(f"step {step} in {self.name} is not whole: {exc}") from exc
         if isinstance(directory, Path) and any((directory / STATE).glob(f"*{PIECES_SUFFIX}")):
             return self._restore_pieces(step, directory / STATE, target)
         args = ocp.checkpoint_utils.construct_restore_args(target)
@@ -566,6 +574,11 @@ class Checkpoints(abc.ABC):
     @abc.abstractmethod
     def _committed(self, step: int, staged: Path) -> None:
         """Clean up after a commit."""
+
+    def _present(self, marker: _Marker) -> Any:
+        """``_fetch`` for a step whose files were checked against ``marker`` already: where a tier
+        can tell presence and size without reading, only those."""
+        return self._fetch(marker)
 
     @abc.abstractmethod
     def _fetch(self, marker: _Marker) -> Path:

@@ -140,12 +140,26 @@ class LocalCheckpoints(Checkpoints):
             _sync_dir(self._marker_path(step).parent)
         shutil.rmtree(self.directory / _step_name(step), ignore_errors=True)
 
+    def _present(self, marker: _Marker) -> Path:
+        step_dir = self.directory / _step_name(marker.step)
+        bad = [rel for rel, (size, _) in marker.files.items() if _size(step_dir / rel) != size]
+        if bad:
+            raise _Corrupt(f"{len(bad)} file(s) missing or not of the size the marker says, e.g. {bad[0]}")
+        return step_dir
+
     def _fetch(self, marker: _Marker) -> Path:
         step_dir = self.directory / _step_name(marker.step)
         bad = _mismatches(step_dir, marker.files)
         if bad:
             raise _Corrupt(f"{len(bad)} file(s) differ from the marker, e.g. {bad[0]}")
         return step_dir
+
+
+def _size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return None
 
 
 @contextlib.contextmanager
