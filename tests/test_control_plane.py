@@ -5,12 +5,14 @@ twice: on one redis-server and on a 3-master Redis Cluster."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import re
 import signal
 import threading
 import time
 import urllib.request
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -518,21 +520,40 @@ def test_the_last_step_is_stored_before_the_job_is_said_finished(cluster: Cluste
             host.stop()
 
 
-async def two_members_in_a_live_epoch(coordinator: Coordinator) -> tuple[Member, Member, int]:
-    """host-a and host-b registered, heartbeating and acknowledging the first epoch: its number."""
-    a = await coordinator.register("host-a", MemberRole.ACTIVE, 1, "10.0.0.1")
-    b = await coordinator.register("host-b", MemberRole.ACTIVE, 1, "10.0.0.2")
-    for member in (a, b):
-        await coordinator.heartbeat(member.host_id, member.incarnation, -1)
-    for _ in range(250):
-        if coordinator.state.topology is not None:
-            break
-        await asyncio.sleep(0.02)
-    epoch = coordinator.state.epoch
-    assert epoch >= 1, "no epoch formed"
-    for member in (a, b):
-        await coordinator.ack_epoch(member.host_id, member.incarnation, epoch, 0, "fresh", {})
-    return a, b, epoch
+@contextlib.asynccontextmanager
+async def two_members_in_a_live_epoch(
+    redis_server: RedisServer, job_id: str
+) -> AsyncIterator[tuple[Coordinator, Member, Member, int]]:
+    """A coordinator (world size 2) in this process, host-a and host-b registered, heartbeating and
+    acknowledging the first epoch: it, them, and the epoch's number."""
+    settings = Settings(job_id=job_id, redis_url=redis_server.url, planner=PlannerSettings(world_size=2))
+    coordinator = Coordinator(settings, RedisStore(redis_server.url, job_id))
+    await coordinator.start()
+    try:
+        a = await coordinator.register("host-a", MemberRole.ACTIVE, 1, "10.0.0.1")
+        b = await coordinator.register("host-b", MemberRole.ACTIVE, 1, "10.0.0.2")
+        for member in (a, b):
+            await coordinator.heartbeat(member.host_id, member.incarnation, -1)
+        for _ in range(250):
+            if coordinator.state.topology is not None:
+                break
+            await asyncio.sleep(0.02)
+        epoch = coordinator.state.epoch
+        assert epoch >= 1, "no epoch formed"
+        for member in (a, b):
+            await coordinator.ack_epoch(member.host_id, member.incarnation, epoch, 0, "fresh", {})
+        yield coordinator, a, b, epoch
+    finally:
+        await coordinator.stop()
+
+
+async def stored_progress(redis_server: RedisServer, job_id: str) -> dict[str, int]:
+    """Every member's step as stored in Redis (what a new leader reads)."""
+    store = RedisStore(redis_server.url, job_id)
+    try:
+        return await store.read_progress()
+    finally:
+        await store.close()
 
 
 def test_a_last_step_heard_before_finish_is_stored_with_it(redis_server: RedisServer, job_id: str) -> None:
@@ -540,22 +561,12 @@ def test_a_last_step_heard_before_finish_is_stored_with_it(redis_server: RedisSe
     flush (every second): Finish stores it, and every other dirty step, before the job is finished."""
 
     async def scenario() -> dict[str, int]:
-        settings = Settings(job_id=job_id, redis_url=redis_server.url, planner=PlannerSettings(world_size=2))
-        coordinator = Coordinator(settings, RedisStore(redis_server.url, job_id))
-        await coordinator.start()
-        try:
-            a, b, epoch = await two_members_in_a_live_epoch(coordinator)
+        async with two_members_in_a_live_epoch(redis_server, job_id) as (coordinator, a, b, epoch):
             await coordinator.heartbeat("host-a", a.incarnation, 300)
             await coordinator.heartbeat("host-b", b.incarnation, 300)
             await coordinator.finish("host-a", a.incarnation, epoch, 300)
             assert coordinator.state.finished
-            store = RedisStore(redis_server.url, job_id)
-            try:
-                return await store.read_progress()
-            finally:
-                await store.close()
-        finally:
-            await coordinator.stop()
+            return await stored_progress(redis_server, job_id)
 
     assert asyncio.run(scenario()) == {"host-a": 300, "host-b": 300}
 
@@ -567,11 +578,7 @@ def test_a_beat_of_an_older_step_during_finish_does_not_undo_the_last_step(
     the next progress flush stores 50, not the older step the beat carried."""
 
     async def scenario() -> dict[str, int]:
-        settings = Settings(job_id=job_id, redis_url=redis_server.url, planner=PlannerSettings(world_size=2))
-        coordinator = Coordinator(settings, RedisStore(redis_server.url, job_id))
-        await coordinator.start()
-        try:
-            a, b, epoch = await two_members_in_a_live_epoch(coordinator)
+        async with two_members_in_a_live_epoch(redis_server, job_id) as (coordinator, a, b, epoch):
             for member in (a, b):
                 await coordinator.heartbeat(member.host_id, member.incarnation, 41)
             commit = coordinator.store.commit
@@ -585,13 +592,7 @@ def test_a_beat_of_an_older_step_during_finish_does_not_undo_the_last_step(
             coordinator.store.commit = commit  # type: ignore[method-assign]
             assert coordinator.state.finished
             await coordinator._flush_progress()  # what the periodic flush does next
-            store = RedisStore(redis_server.url, job_id)
-            try:
-                return await store.read_progress()
-            finally:
-                await store.close()
-        finally:
-            await coordinator.stop()
+            return await stored_progress(redis_server, job_id)
 
     assert asyncio.run(scenario()) == {"host-a": 50, "host-b": 41}
 
