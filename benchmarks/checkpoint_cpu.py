@@ -48,7 +48,7 @@ def main() -> None:
     from remesh.cli.logs import configure_logging
     from remesh.elastic.checkpoints import LocalCheckpoints
     from remesh.elastic.exchange import Pieces
-    from remesh.elastic.sharding import cell_of
+    from remesh.elastic.sharding import first_replicas
 
     configure_logging(level="warning")
     mesh = Mesh(np.array(jax.devices()), ("fsdp",))
@@ -77,12 +77,7 @@ def main() -> None:
     def save_pieces(step: int) -> None:
         assert plain.prepare_global(step, 1)
         # As the Session does: this process's first replica of every shard, host views of them.
-        pieces: Pieces = {
-            (i, cell_of(s.index, x.shape)): np.asarray(s.data)
-            for i, x in enumerate(leaves)
-            for s in x.addressable_shards
-            if s.replica_id == 0
-        }
+        pieces: Pieces = {key: np.asarray(data) for key, data in first_replicas(leaves).items()}
         plain.write_pieces(step, 0, 1, pieces)
         plain.commit_global(step, 1)
 

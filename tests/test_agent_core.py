@@ -208,6 +208,8 @@ def test_the_hang_clock() -> None:
         "started_at": 80.0,
         "ranked": True,
         "running": True,
+        "stepped": True,
+        "startup_timeout_s": 60.0,
     }
     assert hung(**base)  # 15 s since the last progress
     assert not hung(**{**base, "last_progress": 95.0})
@@ -216,7 +218,7 @@ def test_the_hang_clock() -> None:
     assert not hung(**{**base, "running": False})
     assert not hung(**{**base, "timeout_s": 0.0})  # off
     # Before its first step of the epoch the start-up limit applies: compiling is no hang.
-    starting = {**base, "stepped": False, "startup_timeout_s": 60.0}
+    starting = {**base, "stepped": False}
     assert not hung(**starting)
     assert hung(**{**starting, "now": 146.0})  # 61 s since its last progress: past the start-up limit
     assert not hung(**{**starting, "now": 146.0, "startup_timeout_s": 0.0})  # off

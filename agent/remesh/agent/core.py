@@ -263,8 +263,8 @@ def hung(
     started_at: float,
     ranked: bool,
     running: bool,
-    stepped: bool = True,
-    startup_timeout_s: float = 0.0,
+    stepped: bool,
+    startup_timeout_s: float,
 ) -> bool:
     """A ranked trainer that made no step progress for ``timeout_s`` (since its start, or since the
     last progress) is hung. Until its first step of the epoch (``stepped`` false) the limit is

@@ -81,6 +81,7 @@ from remesh.elastic.sharding import (
     build,
     build_mesh,
     cell_of,
+    first_replicas,
     needed_cells,
     plan_fetch,
     whole,
@@ -1436,10 +1437,9 @@ class Session:
             # does with them queues on the devices among the next steps' collectives, in an order
             # that differs between processes (the step's gloo collectives then time out).
             jax.block_until_ready(tree)
-            leaves = jax.tree_util.tree_leaves(tree)
             # This process writes the shards it holds the first replica of.
-            firsts = [(i, s) for i, x in enumerate(leaves) for s in x.addressable_shards if s.replica_id == 0]
-            nbytes = sum(int(s.data.nbytes) for _, s in firsts)
+            firsts = first_replicas(jax.tree_util.tree_leaves(tree))
+            nbytes = sum(int(x.nbytes) for x in firsts.values())
             pieces: Pieces | None = None  # host arrays, made only for a tier that writes pieces
             for store in self.checkpoints:
                 if not store.sharded_saves:
@@ -1453,9 +1453,7 @@ class Session:
                     # No barrier inside a plain write, unlike Orbax's: every process says it wrote
                     # (1) or failed (0) before rank 0 commits.
                     if pieces is None:
-                        pieces = {
-                            (i, cell_of(s.index, leaves[i].shape)): np.asarray(s.data) for i, s in firsts
-                        }
+                        pieces = {key: np.asarray(data) for key, data in firsts.items()}
                     written = self._write_pieces(store, step, assignment, pieces)
                     if not all(
                         self.runtime.allgather_int(

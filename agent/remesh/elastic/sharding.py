@@ -42,6 +42,8 @@ __all__ = [
     "build",
     "build_mesh",
     "cell_of",
+    "covers",
+    "first_replicas",
     "fit",
     "fsdp_partition",
     "plan_fetch",
@@ -277,9 +279,24 @@ def covered(offers: Iterable[Offer], shapes: Sequence[tuple[int, ...]]) -> bool:
         for leaf, cell in offer.own | offer.buddy:
             if 0 <= leaf < len(cells):
                 cells[leaf].add(cell)
-    return all(
-        sum(volume(c) for c in cs) == math.prod(shape) for cs, shape in zip(cells, shapes, strict=True)
-    )
+    return all(covers(cs, shape) for cs, shape in zip(cells, shapes, strict=True))
+
+
+def covers(cells: Iterable[Cell], shape: Sequence[int]) -> bool:
+    """Whether cells of one layout (distinct ones never overlap) cover a leaf of ``shape``: their
+    volumes add up to its size."""
+    return sum(volume(c) for c in set(cells)) == math.prod(shape)
+
+
+def first_replicas(leaves: Sequence[jax.Array]) -> dict[tuple[int, Cell], jax.Array]:
+    """This process's shards that are the first replica of their cell, by (leaf, cell): across the
+    processes of a job, every cell of the state once."""
+    return {
+        (i, cell_of(s.index, x.shape)): s.data
+        for i, x in enumerate(leaves)
+        for s in x.addressable_shards
+        if s.replica_id == 0
+    }
 
 
 def plan_fetch(

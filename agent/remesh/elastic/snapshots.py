@@ -23,7 +23,7 @@ import threading
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import structlog
@@ -115,15 +115,15 @@ class Snapshots:
         """One file per step: a JSON header (restore point, and dtype, shape and offset of every
         piece), then the raw bytes of each piece; written whole under a temporary name, then renamed."""
         assert self.directory is not None
-        head, size = _layout(step, layout, pieces)
+        where = _layout(step, layout, pieces)
         tmp = self.directory / f".step_{step:010d}{_SUFFIX}.tmp"
         # Written over a retired file of the same size where one is free: its pages are allocated
         # already (a new file of tens of megabytes in tmpfs costs three times the copy, in faults).
-        spare = self._take_spare(size)
+        spare = self._take_spare(where.size)
         if spare is not None:
             os.replace(spare, tmp)
         with open(tmp, "r+b" if spare is not None else "wb") as f:
-            _dump(f, head, size, pieces)
+            _dump(f, where, pieces)
         final = self.directory / f"step_{step:010d}{_SUFFIX}"
         os.replace(tmp, final)
         # Keep the steps held in memory (the newest, and those a buddy copied); any "newer" ones
@@ -241,14 +241,14 @@ def write_pieces(path: Path, step: int, layout: int, pieces: Pieces) -> int:
     """``pieces`` in the snapshot file format at ``path``, synced to its disk: written under a
     temporary name, then renamed (a reader never finds half a file). Returns its size in bytes.
     Each write of a piece's bytes releases the interpreter lock."""
-    head, size = _layout(step, layout, pieces)
+    where = _layout(step, layout, pieces)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as f:
-        _dump(f, head, size, pieces)
+        _dump(f, where, pieces)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    return size
+    return where.size
 
 
 def read_pieces(path: Path) -> tuple[int, Pieces]:
@@ -258,9 +258,17 @@ def read_pieces(path: Path) -> tuple[int, Pieces]:
     return layout, pieces
 
 
-def _layout(step: int, layout: int, pieces: Pieces) -> tuple[bytes, int]:
-    """A file's header (magic, length, JSON: restore point, and dtype, shape and offset of every
-    piece) padded to where the pieces start, and the file's size."""
+class _Layout(NamedTuple):
+    """Where everything of a file goes: its header (magic, length, JSON: restore point, and dtype,
+    shape and offset of every piece) padded to where the pieces start, each piece's offset in the
+    file, and the file's size."""
+
+    head: bytes
+    offsets: list[int]
+    size: int
+
+
+def _layout(step: int, layout: int, pieces: Pieces) -> _Layout:
     entries: list[list[Any]] = []
     offset = 0
     for key, values in pieces.items():
@@ -270,19 +278,16 @@ def _layout(step: int, layout: int, pieces: Pieces) -> tuple[bytes, int]:
     header = json.dumps({"step": step, "layout": layout, "pieces": entries, "size": offset}).encode()
     head = _MAGIC + len(header).to_bytes(8, "little") + header
     start = -(-len(head) // _ALIGN) * _ALIGN
-    return head.ljust(start, b"\0"), start + offset
+    return _Layout(head.ljust(start, b"\0"), [start + e[3] for e in entries], start + offset)
 
 
-def _dump(f: Any, head: bytes, size: int, pieces: Pieces) -> None:
-    """Write a file ``_layout`` described: the header, then each piece at its aligned offset."""
-    f.write(head)
-    offset = 0
-    for values in pieces.values():
-        offset = -(-offset // _ALIGN) * _ALIGN
-        f.seek(len(head) + offset)
+def _dump(f: Any, where: _Layout, pieces: Pieces) -> None:
+    """Write a file ``_layout`` described: the header, then each piece at its offset."""
+    f.write(where.head)
+    for at, values in zip(where.offsets, pieces.values(), strict=True):
+        f.seek(at)
         f.write(np.require(values, requirements="C").data.cast("B"))
-        offset += values.nbytes
-    f.truncate(size)
+    f.truncate(where.size)
 
 
 def fits(pieces: Pieces, shapes: Sequence[tuple[tuple[int, ...], Any]]) -> bool:

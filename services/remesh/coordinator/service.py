@@ -170,9 +170,9 @@ class Coordinator:
         # One progress write at a time, landing in the order taken: a periodic flush of an older step
         # still on its way must not land after the flush of a member's last step (finish).
         self._flushing = asyncio.Lock()
-        # The step each member said, in its Finish call, it completed last: final while that call is
-        # on its way. A beat still carrying an older step (it raced the call) must not overwrite it.
-        self._finishing: dict[str, int] = {}
+        # Members whose Finish call is on its way: the step it names is final, and a beat still
+        # carrying an older step (it raced the call) must not overwrite it.
+        self._finishing: set[str] = set()
         # Trainers their agents reported blocked in a step, and hosts whose trainer their agent saw
         # idle (no CPU time) in its last heartbeat: observations, like liveness.
         self._stalls: dict[str, Stall] = {}
@@ -428,9 +428,10 @@ class Coordinator:
             )
             if event.type is EventType.MEMBER_FORGOTTEN:
                 self._liveness.pop(event.host_id)
-                for table in (self._steps, self._dirty_steps, self._stalls, self._finishing):
+                for table in (self._steps, self._dirty_steps, self._stalls):
                     table.pop(event.host_id, None)
                 self._idle.discard(event.host_id)
+                self._finishing.discard(event.host_id)
             member = event.member
             if member is not None and member.state is MemberState.JOINING:
                 self._liveness.set(member.host_id, Liveness(member.incarnation, last_seen=now))
@@ -674,7 +675,7 @@ class Coordinator:
         if (
             self._steps.get(host_id, -1) != step
             and not self.state.finished
-            and step > self._finishing.get(host_id, step - 1)
+            and host_id not in self._finishing
         ):
             # Once the job finished its steps are final (an exiting agent's last beats change nothing).
             # -1 comes from an agent whose trainer has reported nothing yet: a host that came back
@@ -861,7 +862,7 @@ class Coordinator:
             raise self.not_leader()
         membership.current_member(self.state, host_id, incarnation, self._max_id)
         if not self.state.finished and epoch == self.state.epoch:
-            self._finishing[host_id] = step
+            self._finishing.add(host_id)
             if step > self._steps.get(host_id, -1):
                 self._steps[host_id] = step
                 self._dirty_steps[host_id] = step
@@ -880,7 +881,7 @@ class Coordinator:
         finally:
             # Decided (the job finished: its steps are final anyway) or refused (a stale epoch: the
             # member goes on and its beats count again); a retry of a failed call says it again.
-            self._finishing.pop(host_id, None)
+            self._finishing.discard(host_id)
 
     def report_stall(self, host_id: str, incarnation: int, epoch: int, step: int) -> str:
         """A member's trainer is blocked in the step after ``step`` of ``epoch``: noted in memory for

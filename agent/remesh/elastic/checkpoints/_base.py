@@ -30,7 +30,7 @@ from remesh.elastic.errors import (
     StaleEpoch,
 )
 from remesh.elastic.exchange import Pieces
-from remesh.elastic.sharding import build, volume
+from remesh.elastic.sharding import build, covers
 from remesh.elastic.snapshots import fits, read_pieces
 
 log = structlog.get_logger("remesh.elastic.checkpoints")
@@ -96,12 +96,6 @@ class _Marker:
         if not files or not isinstance(raw["extra"], dict):
             raise ValueError("marker lists no files")
         return cls(int(raw["step"]), int(raw["epoch"]), float(raw["time"]), raw["extra"], files)
-
-
-def covered_by(pieces: Pieces, leaf: int, shape: tuple[int, ...]) -> bool:
-    """Whether the pieces of ``leaf`` cover all of it: distinct cells of one layout (each process
-    wrote the shards it holds the first replica of), so their volumes add up to the leaf's."""
-    return sum(volume(cell) for (i, cell) in pieces if i == leaf) == volume(tuple((0, n) for n in shape))
 
 
 def _told(path: Path) -> tuple[int, str] | None:
@@ -411,7 +405,11 @@ class Checkpoints(abc.ABC):
                 pieces.update(read_pieces(path)[1])
             if not fits(pieces, shapes):
                 raise ValueError("pieces that do not fit the state's shapes and dtypes")
-            gaps = [i for i, (shape, _) in enumerate(shapes) if not covered_by(pieces, i, shape)]
+            gaps = [
+                i
+                for i, (shape, _) in enumerate(shapes)
+                if not covers((c for j, c in pieces if j == i), shape)
+            ]
             if gaps:
                 raise ValueError(f"leaf {gaps[0]} is not covered by the pieces written")
             state = build(pieces, shapes, [x.sharding for x in leaves])
