@@ -136,7 +136,6 @@ class Agent:
         # Whether the trainer completed a step since its start or its epoch's: the hang clock's
         # limit is the start-up timeout until it has.
         self.stepped = False
-        self._stall_reported = False
         self.local_address = ""
         self.trainer: TrainerProcess | None = None
         self.warm: TrainerProcess | None = None
@@ -723,14 +722,8 @@ class Agent:
             self.metrics.trainer_totals(totals)
         if step != self.last_step:
             self.last_progress = time.monotonic()
-            # The coordinator hears of a step with the next heartbeat; at once only of the trainer's
-            # first (its epoch runs) and of the first after a stall report (the coordinator counts
-            # the member blocked until it hears of a newer step). A heartbeat per step would multiply
-            # the fleet's heartbeat rate by its step rate.
-            if not self.stepped or self._stall_reported:
-                self._progress.set()
             self.stepped = True
-            self._stall_reported = False
+            self._progress.set()
         self.last_step = step
         return int(self.topology.epoch)
 
@@ -817,7 +810,6 @@ class Agent:
                 timeout=2,
             )
 
-        self._stall_reported = True
         self.log.warning(
             "trainer blocked in a step",
             epoch=request.epoch,
