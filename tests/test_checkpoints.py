@@ -309,6 +309,39 @@ def test_a_sharded_state_written_as_pieces_is_restored_onto_another_layout(tmp_p
     assert_bitwise_equal(halves(2)[0], jax.tree.map(np.asarray, local.restore_global(2, target)))
 
 
+def test_the_processes_of_a_job_check_a_sharded_step_a_share_each(tmp_path: Path) -> None:
+    """Without reading a file, a tier names the newest step whose files are all there at their
+    sizes; reading them is shared: each of N processes checks every N-th file, so exactly the one
+    whose share holds a damaged file finds it, and together they read each file once."""
+    local = LocalCheckpoints(tmp_path / "ckpt", pieces=True)
+    rng = np.random.default_rng(0)
+    for step in (1, 2):
+        assert local.prepare_global(step, 1)
+        for rank in range(4):
+            local.write_pieces(step, rank, 1, {(rank, ()): rng.standard_normal(64).astype(np.float32)})
+        local.commit_global(step, 1, {"step": step})
+    state = tmp_path / "ckpt" / "step_0000000002" / "state"
+    files = sorted(state.glob("*.pieces"))
+    files[2].write_bytes(flip_bytes(files[2].read_bytes()))  # same size: only reading can tell
+
+    listed = sorted(json.loads((state.parent / "COMMITTED").read_text())["files"])
+    damaged = listed.index(f"state/{files[2].name}")
+
+    assert local.latest_present() == 2
+    for n in (4, 3, 2):
+        with capture_logs() as logs:
+            verdicts = [local.verify_share(2, rank, n) for rank in range(n)]
+        assert verdicts == [rank != damaged % n for rank in range(n)], n
+        assert [e["step"] for e in warnings_about(logs, "corrupt")] == [2]
+        assert [local.verify_share(1, rank, n) for rank in range(n)] == [True] * n
+    assert not local.verify_share(7, 0, 1)  # never committed
+    # Cut short: the sizes tell, without reading.
+    files[0].write_bytes(files[0].read_bytes()[:-4])
+    with capture_logs() as logs:
+        assert local.latest_present() == 1
+    assert [e["step"] for e in warnings_about(logs, "corrupt")] == [2]
+
+
 def test_corrupt_gcs_step_falls_back(gcs: FakeGcsServer, bucket: str, tmp_path: Path) -> None:
     tier = gcs_tier(gcs, bucket, tmp_path / "staging")
     tier.save(1, 1, make_state(1))

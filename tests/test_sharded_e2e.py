@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -20,12 +21,15 @@ import pytest
 
 from remesh.elastic.cadence import CALIBRATE_AFTER, FIRST_EVERY, LEAST_EVERY
 from remesh.embedded import FakeGcsServer, RedisServer
+from remesh.embedded.cluster import descendants
 from remesh.v1 import coordinator_pb2 as pb
 from tests.procs import Cluster, wait_for
 from tests.test_elastic_e2e import (
     ENV,
     KILL_AT,
     STEPS,
+    committed_steps,
+    flip_bytes,
     leaves,
     new_job_id,
     run_gcs_job,
@@ -240,14 +244,37 @@ def test_fsdp_restored_from_the_pieces_every_host_wrote_to_a_local_directory_is_
     tmp_path: Path, redis: RedisServer, clean_fsdp: tuple[Path, Path]
 ) -> None:
     """No host-memory tier: every 5 steps each host writes its own pieces as one plain file
-    (--checkpoint-format pieces), rank 0 commits once all say they wrote; after a SIGKILL the new
-    epoch's members assemble their shards from those files, and the run ends bitwise equal."""
+    (--checkpoint-format pieces), rank 0 commits once all say they wrote. Just before the SIGKILL the
+    newest committed step's file of rank 0 is damaged (same size): the new epoch's members check
+    the step's files a share each, whoever holds the damaged one says so, and every member assembles
+    its shards from the step before; the run ends bitwise equal."""
     ckpt = tmp_path / "ckpt"
+    damaged: list[int] = []
+
+    def damage_the_newest_step(cluster: Cluster) -> None:
+        # The trainers held still meanwhile, so that no newer step is committed in between.
+        trainers = {h: descendants(cluster.agents[h].pid) for h in ("host-0", "host-1", "host-2")}
+        for pids in trainers.values():
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+        try:
+            newest = max(p.parent for p in ckpt.glob("step_*/COMMITTED"))
+            flip_bytes(newest / "state" / "process_00000.pieces")
+            damaged.append(int(newest.name.removeprefix("step_")))
+            cluster.agents["host-1"].kill()  # the victim, with its trainer
+        finally:
+            for h in ("host-0", "host-2"):
+                for pid in trainers[h]:
+                    os.kill(pid, signal.SIGCONT)
+
     final, cluster = run_job(
         tmp_path,
         redis.url,
         spares=1,
         victim="host-1",
+        # Once a step is committed (host-1 registered long before: members() holds it).
+        kill_when=lambda c: bool(committed_steps(ckpt)) and c.members()["host-1"].last_step >= KILL_AT,
+        before_kill=damage_the_newest_step,
         trainer_args=(
             *FSDP,
             "--no-snapshots",
@@ -268,7 +295,13 @@ def test_fsdp_restored_from_the_pieces_every_host_wrote_to_a_local_directory_is_
             for e in cluster.events()
             if e.type == pb.EVENT_TYPE_EPOCH_ACKED and e.epoch == 2
         }
-        assert restored % 5 == 0 and restored > 0, restored
+        assert damaged and restored == damaged[0] - 5, (restored, damaged)
+        said = [
+            h
+            for h in ("host-0", "host-2", "spare-0")
+            if "every member falls back" in cluster.agents[h].output()
+        ]
+        assert said, "no member said it fell back from the damaged step"
         step_dir = max(p.parent for p in ckpt.glob("step_*/COMMITTED"))
         # One file per process and its writer's digest of it, and no Orbax data beside them.
         assert sorted(p.name for p in (step_dir / "state").iterdir()) == [

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import json
 import operator
 import os
@@ -122,6 +123,10 @@ class CheckpointStore(Protocol):
     ) -> None: ...
 
     def latest_viable(self, max_step: int | None = None, trusted: Trusted = None) -> int | None: ...
+
+    def latest_present(self, max_step: int | None = None, trusted: Trusted = None) -> int | None: ...
+
+    def verify_share(self, step: int, rank: int, world_size: int, trusted: Trusted = None) -> bool: ...
 
     def restore_state(self, step: int, template: PyTree, trusted: Trusted = None) -> PyTree: ...
 
@@ -1208,8 +1213,38 @@ class Session:
         # launched again (the full restart) resumes from what an earlier run committed, guarded by
         # the epoch fence only; once this job commits, only its own accepted commits count.
         trusted: Trusted = assignment.commits or None
-        candidate, tier = self._newest_checkpoint(target, trusted) if assignment.rank == 0 else (-1, -1)
-        chosen = self.runtime.allgather_int("checkpoint", candidate, self.policy.init_timeout_s)[0]
+        sharded = self._sharded(shardings)
+        bound: int | None = None if target < 0 else target
+        for attempt in itertools.count():
+            # Rank 0 chooses, so that every member loads the same step. A sharded state's files are
+            # checked by every member, a share each, before anyone restores: one that differs sends
+            # every member to the step before it.
+            candidate, tier = (
+                self._newest_checkpoint(bound, trusted, read=not sharded)
+                if assignment.rank == 0 and (bound is None or bound >= 0)
+                else (-1, -1)
+            )
+            chosen = self.runtime.allgather_int(
+                f"checkpoint-{attempt}", candidate, self.policy.init_timeout_s
+            )[0]
+            if chosen < 0 or not sharded:
+                break
+            tier = self.runtime.allgather_int(f"checkpoint-tier-{attempt}", tier, self.policy.init_timeout_s)[
+                0
+            ]
+            ok = self.checkpoints[tier].verify_share(chosen, assignment.rank, assignment.world_size, trusted)
+            verdicts = self.runtime.allgather_int(
+                f"checkpoint-verified-{attempt}", int(ok), self.policy.init_timeout_s
+            )
+            if all(verdicts):
+                break
+            log.warning(
+                "checkpoint not whole: every member falls back to an earlier one",
+                step=chosen,
+                source=self.checkpoints[tier].name,
+                found_by=[rank for rank, v in enumerate(verdicts) if not v],
+            )
+            bound = chosen - 1
         if chosen < 0:
             if target > 0:
                 raise StateLost(
@@ -1226,13 +1261,10 @@ class Session:
             init = jax.jit(self._init_state, out_shardings=tree_shardings)()
             return jax.tree_util.tree_leaves(init), 0, "scratch", {}
         template = self._template_leaves()
-        if self._sharded(shardings):
-            # A sharded state is in a tier every host reaches: the one rank 0 chose it from, having
-            # read every file of the step against its marker. The others do not read them all again
-            # (each process restores a share; checking every file is the whole state, on every host).
-            store = self.checkpoints[
-                self.runtime.allgather_int("checkpoint-tier", tier, self.policy.init_timeout_s)[0]
-            ]
+        if sharded:
+            # A sharded state is in a tier every host reaches (the one rank 0 chose it from), its
+            # files checked against the marker already, a share by each member.
+            store = self.checkpoints[tier]
             self.snapshots.clear()
             self.buddies.clear()
             abstract = jax.tree_util.tree_unflatten(
@@ -1245,7 +1277,7 @@ class Session:
             try:
                 with peer_failures():
                     tree = store.restore_global(chosen, abstract, trusted, verified=True)
-            except CheckpointError as exc:  # gone or cut short since rank 0 read it
+            except CheckpointError as exc:  # gone or cut short since the members checked it
                 raise RestartProcess(f"checkpoint of step {chosen} chosen by rank 0: {exc}") from exc
             leaves = jax.tree_util.tree_leaves(tree)
             nbytes = sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.replica_id == 0)
@@ -1266,12 +1298,13 @@ class Session:
     def _sharded(shardings: Sequence[NamedSharding]) -> bool:
         return any(not s.is_fully_replicated for s in shardings)
 
-    def _newest_checkpoint(self, target: int, trusted: Trusted) -> tuple[int, int]:
-        """The newest checkpoint at or below ``target`` whose commit the coordinator accepted and
-        whose files match its marker, and the index of the tier holding it (-1, -1: none)."""
+    def _newest_checkpoint(self, bound: int | None, trusted: Trusted, read: bool) -> tuple[int, int]:
+        """The newest checkpoint at or below ``bound`` (None: any) whose commit the coordinator
+        accepted and whose files match its marker (``read``), or are all there (not ``read``: the
+        members check them, a share each), and the index of the tier holding it (-1, -1: none)."""
         best, tier = -1, -1
         for i, store in enumerate(self.checkpoints):
-            step = store.latest_viable(None if target < 0 else target, trusted)
+            step = store.latest_viable(bound, trusted) if read else store.latest_present(bound, trusted)
             if step is not None and step > best:
                 best, tier = step, i
         return best, tier

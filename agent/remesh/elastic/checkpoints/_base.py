@@ -12,7 +12,7 @@ import json
 import re
 import time
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -445,14 +445,48 @@ class Checkpoints(abc.ABC):
 
         Restore falls back further only if Orbax then cannot read that step.
         """
+        return self._newest(max_step, trusted, self._fetch)
+
+    def latest_present(self, max_step: int | None = None, trusted: Trusted = None) -> int | None:
+        """The newest committed step (at or below ``max_step``) whose files are all there, of the
+        sizes its marker says: what a tier tells without reading them. For a sharded state, whose
+        files every process checks a share of (``verify_share``) instead of one reading them all."""
+        return self._newest(max_step, trusted, self._present)
+
+    def _newest(
+        self, max_step: int | None, trusted: Trusted, check: Callable[[_Marker], object]
+    ) -> int | None:
+        """The newest candidate step that ``check`` does not find corrupt (warning of each it does)."""
         for marker in self._candidates(max_step, trusted):
             try:
-                self._fetch(marker)
+                check(marker)
             except _Corrupt as exc:
                 self._warn_corrupt(marker, exc)
                 continue
             return marker.step
         return None
+
+    def verify_share(self, step: int, rank: int, world_size: int, trusted: Trusted = None) -> bool:
+        """Process ``rank``'s share of checking the files of committed step ``step`` against its
+        marker: every ``world_size``-th file, from the ``rank``-th in name order, so that the
+        processes of a job read the step once between them (one process checking every file reads
+        the whole state: on N hosts, N times what it restores). False, with a warning, where a
+        file of the share differs or the step is not committed."""
+        exact = [m for m in self._candidates(step, trusted) if m.step == step]
+        if not exact:
+            return False
+        marker = exact[0]
+        share = {
+            rel: entry
+            for i, (rel, entry) in enumerate(sorted(marker.files.items()))
+            if i % world_size == rank
+        }
+        try:
+            self._fetch(replace(marker, files=share))
+        except _Corrupt as exc:
+            self._warn_corrupt(marker, exc)
+            return False
+        return True
 
     def fence(self, epoch: int) -> None:
         """Raise the fence to ``epoch``: writers of older epochs are refused from now on.
