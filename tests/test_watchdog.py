@@ -13,14 +13,16 @@ from types import SimpleNamespace
 from typing import Any
 
 from remesh.elastic import Policy
+from remesh.elastic.agent_client import lost_a_member
 from remesh.elastic.session import Session
 
 
 class Agent:
     """The part of AgentClient the watchdog uses: the latest assignment and a wait for a change."""
 
-    def __init__(self) -> None:
-        self._latest = SimpleNamespace(epoch=1)
+    def __init__(self, hosts: tuple[str, ...] = ()) -> None:
+        self._latest = SimpleNamespace(epoch=1, hosts=hosts)
+        self._hosts = {1: hosts}
         self.changed_at = time.monotonic()
         self._changed = threading.Condition()
         self.stalls: list[tuple[int, int, float]] = []
@@ -30,9 +32,13 @@ class Agent:
     def latest(self) -> Any:
         return self._latest
 
-    def publish(self, epoch: int) -> float:
+    def lost_a_member(self, epoch: int, newer: Any) -> bool:
+        return lost_a_member(self._hosts.get(epoch, ()), newer.hosts)
+
+    def publish(self, epoch: int, hosts: tuple[str, ...] = ()) -> float:
         with self._changed:
-            self._latest = SimpleNamespace(epoch=epoch)
+            self._latest = SimpleNamespace(epoch=epoch, hosts=hosts)
+            self._hosts[epoch] = hosts
             self.changed_at = time.monotonic()
             self._changed.notify_all()
             return self.changed_at
@@ -50,9 +56,9 @@ class Agent:
 class Loop:
     """The part of Session the watchdog reads: policy, agent, what blocks, the last step."""
 
-    def __init__(self, policy: Policy) -> None:
+    def __init__(self, policy: Policy, hosts: tuple[str, ...] = ()) -> None:
         self.policy = policy
-        self.agent = Agent()
+        self.agent = Agent(hosts)
         self._blocked: tuple[int, float, float, str] | None = None
         self._step = 7
         self.restarts: queue.Queue[tuple[float, str]] = queue.Queue()
@@ -62,8 +68,8 @@ class Loop:
         threading.Event().wait()  # never returns, as the real one ends the process (a daemon thread)
 
 
-def watched(policy: Policy) -> Loop:
-    loop = Loop(policy)
+def watched(policy: Policy, hosts: tuple[str, ...] = ()) -> Loop:
+    loop = Loop(policy, hosts)
     threading.Thread(target=Session._watchdog, args=(loop,), daemon=True).start()
     return loop
 
@@ -112,3 +118,30 @@ def test_work_that_began_after_the_announcement_gets_its_whole_grace() -> None:
     at, reason = loop.restarts.get(timeout=10)
     assert at - began >= 0.6
     assert reason.startswith("leaving of epoch 1")
+
+
+def test_a_step_blocked_when_the_new_epoch_leaves_out_a_member_ends_at_once() -> None:
+    """Every step is one program over all of its epoch's processes: once a member is gone from the
+    new epoch, the grace would only be waited out. An epoch that only adds members keeps it."""
+    hosts = ("host-0", "host-1", "host-2")
+    grace = 5.0
+    loop = watched(Policy(stall_report_s=10.0, stuck_step_exit_s=grace), hosts)
+    loop._blocked = (1, time.monotonic(), grace, "step")
+    announced = loop.agent.publish(2, ("host-0", "spare-0", "host-2"))  # host-1 replaced
+    at, reason = loop.restarts.get(timeout=grace / 2)
+    assert at - announced < grace
+    assert "left out a member" in reason and "step of epoch 1" in reason
+
+    grown = watched(Policy(stall_report_s=10.0, stuck_step_exit_s=0.4), hosts)
+    grown._blocked = (1, time.monotonic(), 0.4, "step")
+    announced = grown.agent.publish(2, (*hosts, "host-3"))  # a host joins: the step can end
+    at, reason = grown.restarts.get(timeout=10)
+    assert at - announced >= 0.4 and "epoch 2 was announced" in reason
+
+
+def test_a_member_left_out_is_told_only_from_known_members() -> None:
+    assert lost_a_member(("a", "b", "c"), ("a", "c"))
+    assert lost_a_member(("a", "b"), ("a", "spare"))
+    assert not lost_a_member(("a", "b"), ("b", "a", "c"))
+    assert not lost_a_member((), ("a",))  # this process never heard the epoch's members
+    assert not lost_a_member(("a", "b"), ())

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -97,6 +97,7 @@ class AgentClient:
         self._channel = grpc.insecure_channel(address)
         self._stub = apb_grpc.AgentLocalStub(self._channel)
         self._latest = first
+        self._hosts: dict[int, tuple[str, ...]] = {first.epoch: first.hosts} if first.hosts else {}
         self.changed_at = time.monotonic()
         self._changed = threading.Condition()
         self._closed = False
@@ -136,6 +137,12 @@ class AgentClient:
 
     def _publish(self, assignment: Assignment) -> None:
         with self._changed:
+            if assignment.hosts:
+                # Every epoch's members as the agent's stream told them (the environment a trainer
+                # starts with does not carry them): the two newest are all anyone compares.
+                self._hosts[assignment.epoch] = assignment.hosts
+                for old in sorted(self._hosts)[:-2]:
+                    del self._hosts[old]
             latest = self._latest
             # A newer epoch, or this process promoted from warm standby within the same epoch.
             if assignment.epoch > latest.epoch or (
@@ -148,6 +155,14 @@ class AgentClient:
     @property
     def latest(self) -> Assignment:
         return self._latest
+
+    def lost_a_member(self, epoch: int, newer: Assignment) -> bool:
+        """Whether ``newer`` leaves out a host of ``epoch``: a step of ``epoch`` still running then
+        waits for a process that is gone (every step of an epoch is one program over all of its
+        processes) and can never end. False where this process does not know ``epoch``'s members."""
+        with self._changed:
+            before = self._hosts.get(epoch, ())
+        return lost_a_member(before, newer.hosts)
 
     def wait_newer(self, epoch: int, timeout: float) -> Assignment | None:
         """The first assignment newer than ``epoch``, or None after ``timeout`` seconds."""
@@ -270,6 +285,11 @@ class AgentClient:
             self._closed = True
             self._progress_due.notify_all()
         self._channel.close()
+
+
+def lost_a_member(before: Sequence[str], after: Sequence[str]) -> bool:
+    """Whether the members ``after`` leave out one of ``before`` (either unknown, empty: no)."""
+    return bool(before) and bool(after) and not set(before) <= set(after)
 
 
 def _refusal(exc: grpc.RpcError, what: str) -> Exception:

@@ -197,7 +197,9 @@ class Policy:
     stall_report_s: float | None = None
     # A step still running this long after a new epoch was announced is stuck in a collective with a
     # dead peer (it would wait for the collective timeout, then often abort inside gloo): the process
-    # exits for the agent's warm standby process to take over at once. None: always wait it out.
+    # exits for the agent's warm standby process to take over at once. A new epoch that leaves out a
+    # member of the step's epoch ends it at once: the step waits for a process that is gone. None:
+    # always wait it out.
     stuck_step_exit_s: float | None = 0.2
     # Joining an epoch (runtime, restore, compile, the barrier) still blocked this long after a newer
     # epoch was announced: a member of the joined epoch died or never came (the coordination service
@@ -745,6 +747,13 @@ class Session:
                         due.append(since + stall_after)
                 if seen.epoch > epoch:
                     stuck = now - max(since, self.agent.changed_at)
+                    if what == "step" and self.agent.lost_a_member(epoch, seen):
+                        # The step needs a process the new epoch left out: it cannot end, and the
+                        # grace would only be waited out.
+                        self._restart_process(
+                            f"{what} of epoch {epoch} still blocked when epoch {seen.epoch} left out "
+                            "a member of it: it waits for a process that is gone"
+                        )
                     if stuck >= grace:
                         self._restart_process(
                             f"{what} of epoch {epoch} still blocked {stuck:.2f}s after epoch {seen.epoch} "
