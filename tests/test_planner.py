@@ -165,6 +165,12 @@ CASES = {
         formed(FOUR, states={"a2": JOINING}, others=spares("s0")), Kind.NONE, reason_has=("healthy",)
     ),
     # ---- replace -------------------------------------------------------------------------------
+    "a job below its size replaces the lost member and grows in the same epoch": Case(
+        formed(("a0", "a1", "a2"), states={"a1": DEAD}, others=spares("s0", "s1", "s2")),
+        Kind.REPLACE,
+        ("a0", "s0", "a2", "s1"),
+        reason_has=("s0 takes rank 1 of a1", "grew from 3 to 4 hosts: added s1"),
+    ),
     "replace one dead member with a spare": Case(
         formed(FOUR, states={"a1": DEAD}, others=spares("s0"), restore_step=5),
         Kind.REPLACE,

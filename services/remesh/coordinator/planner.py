@@ -194,6 +194,14 @@ def plan(
             else f"hot spare {s} takes rank {current.index(h)} of {h}"
             for h, s in replacement.items()
         )
+        # A job below its size (shrunk before) with spares left over grows in the same epoch: the
+        # next plan would otherwise grow it at once, a second recovery for one event.
+        left = [h for h in spares if h not in replacement.values()]
+        target = settings.largest_valid_size(len(hosts) + len(left))
+        if target > len(hosts):
+            grown = left[: target - len(hosts)]
+            swaps += f"; grew from {len(hosts)} to {target} hosts: added {', '.join(grown)}"
+            hosts = (*hosts, *grown)
         return Decision(Kind.REPLACE, f"{why_lost}: {swaps}", hosts, restore, details)
 
     pool = [*survivors, *spares]
