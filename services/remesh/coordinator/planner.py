@@ -84,6 +84,13 @@ def _restore_step(survivors: Sequence[str], steps: Mapping[str, int], fallback: 
     return min(known) if known else fallback
 
 
+def _grown(hosts: Sequence[str], spares: Sequence[str], settings: PlannerSettings) -> tuple[str, ...]:
+    """``hosts`` and, after them, as many ``spares`` as make the largest valid size (none where that
+    is not larger)."""
+    target = settings.largest_valid_size(len(hosts) + len(spares))
+    return (*hosts, *spares[: max(0, target - len(hosts))])
+
+
 def plan(
     now: float,
     state: ClusterState,
@@ -145,13 +152,12 @@ def plan(
             details,
         )
     if not lost:
-        target = settings.largest_valid_size(len(current) + len(spares))
-        if target > len(current):
-            hosts = (*current, *spares[: target - len(current)])
+        hosts = _grown(current, spares, settings)
+        if len(hosts) > len(current):
             added = ", ".join(hosts[len(current) :])
             return Decision(
                 Kind.GROW,
-                f"grew from {len(current)} to {target} hosts: added {added}",
+                f"grew from {len(current)} to {len(hosts)} hosts: added {added}",
                 hosts,
                 restore,
                 details,
@@ -196,13 +202,10 @@ def plan(
         )
         # A job below its size (shrunk before) with spares left over grows in the same epoch: the
         # next plan would otherwise grow it at once, a second recovery for one event.
-        left = [h for h in spares if h not in replacement.values()]
-        target = settings.largest_valid_size(len(hosts) + len(left))
-        if target > len(hosts):
-            grown = left[: target - len(hosts)]
-            swaps += f"; grew from {len(hosts)} to {target} hosts: added {', '.join(grown)}"
-            hosts = (*hosts, *grown)
-        return Decision(Kind.REPLACE, f"{why_lost}: {swaps}", hosts, restore, details)
+        grown = _grown(hosts, [h for h in spares if h not in replacement.values()], settings)
+        if len(grown) > len(hosts):
+            swaps += f"; grew from {len(hosts)} to {len(grown)} hosts: added {', '.join(grown[len(hosts) :])}"
+        return Decision(Kind.REPLACE, f"{why_lost}: {swaps}", grown, restore, details)
 
     pool = [*survivors, *spares]
     size = settings.largest_valid_size(len(pool))
