@@ -1274,8 +1274,16 @@ class Session:
             # A sharded state is in a tier every host reaches (the one rank 0 chose it from), its
             # files checked against the marker already, a share by each member.
             store = self.checkpoints[tier]
-            self.snapshots.clear()
-            self.buddies.clear()
+        else:  # a replicated state: any tier this host reaches that holds it
+            # The first that does (each check reads the step's files).
+            holding = (s for s in self.checkpoints if (s.latest_viable(chosen, trusted) or -1) == chosen)
+            found = next(holding, None)
+            if found is None:
+                raise RestartProcess(f"checkpoint of step {chosen} chosen by rank 0 is not readable here")
+            store = found
+        self.snapshots.clear()
+        self.buddies.clear()
+        if sharded:
             abstract = jax.tree_util.tree_unflatten(
                 self._treedef,
                 [
@@ -1289,19 +1297,12 @@ class Session:
             except CheckpointError as exc:  # gone or cut short since the members checked it
                 raise RestartProcess(f"checkpoint of step {chosen} chosen by rank 0: {exc}") from exc
             leaves = jax.tree_util.tree_leaves(tree)
-            nbytes = sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.replica_id == 0)
-            return leaves, chosen, store.name, {store.name: int(nbytes)}
-        for store in self.checkpoints:  # a replicated state: any tier this host reaches that holds it
-            if (store.latest_viable(chosen, trusted) or -1) != chosen:
-                continue
-            self.snapshots.clear()
-            self.buddies.clear()
+        else:
             tree = store.restore_state(chosen, jax.tree_util.tree_unflatten(self._treedef, template), trusted)
             host = jax.tree_util.tree_leaves(tree)
             leaves = self._build({(i, whole(x.shape)): np.asarray(x) for i, x in enumerate(host)}, shardings)
-            nbytes = sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.replica_id == 0)
-            return leaves, chosen, store.name, {store.name: int(nbytes)}
-        raise RestartProcess(f"checkpoint of step {chosen} chosen by rank 0 is not readable here")
+        nbytes = sum(int(x.nbytes) for x in first_replicas(leaves).values())
+        return leaves, chosen, store.name, {store.name: nbytes}
 
     @staticmethod
     def _sharded(shardings: Sequence[NamedSharding]) -> bool:

@@ -373,14 +373,14 @@ class Checkpoints(abc.ABC):
     ) -> PyTree:
         """Every process: exactly step ``step`` onto the shardings of ``target`` (``jax.ShapeDtypeStruct``
         leaves with shardings), each process reading the shards its devices hold. ``verified``: the
-        caller checked the step's files against its marker already (``latest_viable``: rank 0, as it
-        chose the step), so only their presence and sizes are checked here; else every file is read
-        for its digest, which on N hosts is N times what each restores."""
-        exact = [m for m in self._candidates(step, trusted) if m.step == step]
-        if not exact:
+        step's files were checked against its marker already (``verify_share``: every process a
+        share), so only their presence and sizes are checked here; else every file is read for its
+        digest, which on N hosts is N times what each restores."""
+        marker = self._exact(step, trusted)
+        if marker is None:
             raise NoViableCheckpoint(f"step {step} is not committed in {self.name}")
         try:
-            directory = self._present(exact[0]) if verified else self._fetch(exact[0])
+            directory = self._present(marker) if verified else self._fetch(marker)
         except _Corrupt as exc:
             raise CheckpointError(f"step {step} in {self.name} is not whole: {exc}") from exc
         if isinstance(directory, Path) and any((directory / STATE).glob(f"*{PIECES_SUFFIX}")):
@@ -437,8 +437,8 @@ class Checkpoints(abc.ABC):
 
     def restore_state(self, step: int, template: PyTree, trusted: Trusted = None) -> PyTree:
         """Exactly step ``step`` in the structure of ``template``; NoViableCheckpoint otherwise."""
-        exact = [m for m in self._candidates(step, trusted) if m.step == step]
-        return self._restore_first(exact, template).state
+        marker = self._exact(step, trusted)
+        return self._restore_first([] if marker is None else [marker], template).state
 
     def latest_viable(self, max_step: int | None = None, trusted: Trusted = None) -> int | None:
         """The newest committed step (at or below ``max_step``) whose files match its marker.
@@ -472,10 +472,9 @@ class Checkpoints(abc.ABC):
         processes of a job read the step once between them (one process checking every file reads
         the whole state: on N hosts, N times what it restores). False, with a warning, where a
         file of the share differs or the step is not committed."""
-        exact = [m for m in self._candidates(step, trusted) if m.step == step]
-        if not exact:
+        marker = self._exact(step, trusted)
+        if marker is None:
             return False
-        marker = exact[0]
         share = {
             rel: entry
             for i, (rel, entry) in enumerate(sorted(marker.files.items()))
@@ -487,6 +486,10 @@ class Checkpoints(abc.ABC):
             self._warn_corrupt(marker, exc)
             return False
         return True
+
+    def _exact(self, step: int, trusted: Trusted) -> _Marker | None:
+        """The marker of committed step ``step``, if it is a candidate (``_candidates``)."""
+        return next((m for m in self._candidates(step, trusted) if m.step == step), None)
 
     def fence(self, epoch: int) -> None:
         """Raise the fence to ``epoch``: writers of older epochs are refused from now on.
