@@ -263,19 +263,23 @@ def test_fsdp_restored_from_the_pieces_every_host_wrote_to_a_local_directory_is_
         flip_bytes(ckpt / f"step_{step:010d}" / "state" / "process_00000.pieces")
         damaged.append(step)
 
-    def keep_damaging(until: float) -> None:
-        # A commit on its way at the kill (every member had written, rank 0 not yet committed) lands
-        # milliseconds later, long before the restore (detection and the planner's burst window
-        # take a quarter of a second): damaged too, so that the restore meets only damaged steps.
-        while time.monotonic() < until:
+    def keep_damaging(cluster: Cluster) -> None:
+        # A commit on its way at the kill (every member had written, rank 0 not yet committed) may
+        # still land, until epoch 2 is published: then the coordinator accepts no commit of epoch
+        # 1 any more. Each one is damaged too, so that the restore meets only damaged steps.
+        deadline = time.monotonic() + 60
+        while True:
+            published = cluster.topology().epoch >= 2
             for step in epoch_1_steps():
                 if step > damaged[0] and step not in damaged:
                     damage(step)
+            if published or time.monotonic() > deadline:
+                return
             time.sleep(0.005)
 
     def damage_the_newest_step(cluster: Cluster) -> None:
         damage(max(epoch_1_steps()))
-        watcher.append(threading.Thread(target=keep_damaging, args=(time.monotonic() + 1.0,), daemon=True))
+        watcher.append(threading.Thread(target=keep_damaging, args=(cluster,), daemon=True))
         watcher[0].start()
 
     watcher: list[threading.Thread] = []
