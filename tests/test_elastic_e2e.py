@@ -357,7 +357,7 @@ def test_a_recovery_restored_from_gcs_checkpoints_is_bitwise_equal(
     tmp_path: Path, redis: RedisServer, gcs: FakeGcsServer, clean_final: Path
 ) -> None:
     """Every member of the new epoch, the survivors too, restores the newest checkpoint the GCS
-    emulator holds at or below the restore step; the run ends on the clean run's state."""
+    emulator holds (no snapshots: the members hold nothing in memory); the run ends on the clean run's state."""
     final, cluster = run_gcs_job(tmp_path, redis.url, gcs)
     try:
         after = cluster.topology()
@@ -440,6 +440,68 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one_and_stays_bi
         ]
         assert fallback and all(f"step={newest}" in line and name in line for line in fallback), fallback
         assert max(s for s, _, ws in steps_logged(cluster) if ws == 3) == STEPS
+        assert_same_as_clean(final, clean_final)
+    finally:
+        cluster.close()
+
+
+SPARSE_SNAPSHOTS = (
+    "--snapshot-every", "10", "--checkpoint-every", "4", "--keep-checkpoints", "0", "--step-sleep", "0.3",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("damaged", [False, True], ids=["newer-checkpoint", "newer-checkpoint-damaged"])
+def test_a_checkpoint_newer_than_every_snapshot_is_restored_and_a_damaged_one_falls_back_to_memory(
+    tmp_path: Path, redis: RedisServer, clean_final: Path, damaged: bool
+) -> None:
+    """Snapshots every 10 steps, checkpoints every 4: killed past step 12, the members hold step 10
+    in memory and the coordinator accepted a commit of step 12 or later. They restore that
+    checkpoint, not the older step they hold (which would replay more steps); where every commit newer
+    than step 10 is damaged, step 10 from memory, not an older checkpoint."""
+    ckpt = tmp_path / "ckpt"
+    damaged_steps: list[int] = []
+
+    def damage(_: Cluster) -> None:
+        for step in committed_steps(ckpt):
+            if step > 10:
+                step_dir = ckpt / f"step_{step:010d}"
+                files = json.loads((step_dir / "COMMITTED").read_text())["files"]
+                flip_bytes(step_dir / max(files, key=lambda rel: files[rel]["size"]))
+                damaged_steps.append(step)
+
+    final, cluster = run_job(
+        tmp_path,
+        redis.url,
+        spares=1,
+        victim="host-1",
+        # 0.3 s a step: from the first commit past step 10 to the snapshot of step 20 are 7 steps,
+        # time enough for the kill to land between them.
+        trainer_args=(*SPARSE_SNAPSHOTS, "--checkpoint-dir", str(ckpt)),
+        kill_when=lambda _: any(step > 10 for step in committed_steps(ckpt)),
+        before_kill=damage if damaged else None,
+    )
+    try:
+        epochs = {
+            step: json.loads((ckpt / f"step_{step:010d}" / "COMMITTED").read_text())["epoch"]
+            for step in committed_steps(ckpt)
+        }
+        newest = max(s for s, e in epochs.items() if e == 1)
+        assert 10 < newest < 20, epochs
+        acks = restored(cluster, 2)
+        members = ("host-0", "spare-0", "host-2")
+        if damaged:
+            assert damaged_steps and newest in damaged_steps
+            # The survivors served step 10 from their snapshots; the spare fetched it from them.
+            assert {s for s, _ in acks.values()} == {10}, acks
+            assert all(t in ("memory", "host-shm") or "peer" in t for _, t in acks.values()), acks
+        else:
+            assert acks == {h: (newest, "local") for h in members}, acks
+        said = [
+            line
+            for line in cluster.agents["host-0"].output().splitlines()
+            if "a committed checkpoint is newer than the newest step the members hold" in line
+        ]
+        assert said and all("held=10" in line and f"commit={newest}" in line for line in said), said
         assert_same_as_clean(final, clean_final)
     finally:
         cluster.close()

@@ -165,7 +165,7 @@ def test_a_truncated_or_foreign_snapshot_falls_back_to_the_next_tier(tmp_path: P
     Snapshots(3, tmp_path).put(6, 1, pieces(6))
     wrong = [((4, 2), np.dtype(np.float32)), ((), np.dtype(np.float32))]
     assert Snapshots(3, tmp_path).get(6, wrong) is None  # does not fit this model
-    assert [s.step for s in Snapshots(3, tmp_path).all(10, SNAPSHOT_SHAPES)] == [6]
+    assert [s.step for s in Snapshots(3, tmp_path).all(SNAPSHOT_SHAPES)] == [6]
 
 
 def test_the_piece_server_serves_exactly_what_it_holds() -> None:

@@ -8,9 +8,9 @@ agent assigns, the session
 
 1. joins the JAX distributed runtime for the epoch (rank, world size, coordination address),
 2. builds a data-parallel mesh over every device of every host,
-3. restores the epoch's ``restore_step``: from a host-memory snapshot where any member has one
-   (broadcast to the members that do not), else from the newest committed checkpoint at or below it
-   (local, then GCS), else from ``init_state``,
+3. restores the newest step its members hold between them in host memory (each fetching the pieces
+   it lacks from the others), or the newest committed checkpoint (local, then GCS) where that is
+   newer or the members hold none, else ``init_state``,
 4. compiles the step, waits for every member, trains, acknowledges the epoch after the first step,
 
 and when a new epoch arrives (``TopologyChanged`` at a step boundary) or a collective fails
@@ -76,6 +76,7 @@ from remesh.elastic.runtime import Runtime, as_peer_failure, configure_backend, 
 from remesh.elastic.sharding import (
     AXES,
     Cell,
+    Fetch,
     Layout,
     Offer,
     Uncovered,
@@ -1102,36 +1103,55 @@ class Session:
     ) -> tuple[list[jax.Array], int, str, dict[str, int]]:
         """Agree with every member on the state to start the epoch from, and build it on the mesh.
 
-        In order: the newest step at or below the epoch's ``restore_step`` whose pieces the members
-        hold between them (own snapshots, a surviving replica group, buddy copies), moving only the
-        cells each process lacks, host to host; else the newest committed checkpoint; else, only if
-        the job never completed a step, ``init_state``. Returns the leaves, the step, a source
-        label, and the bytes per tier.
+        The members choose from what they hold between them, the same choice on each (from the
+        offers they all gathered and the commits the epoch's assignment lists): the newest step whose
+        pieces they hold (own snapshots, a surviving replica group, buddy copies), moving only the
+        cells each process lacks, host to host; unless the coordinator accepted a commit of a newer
+        step: then the newest readable committed checkpoint newer than that step, and that step
+        where none of them is readable; with neither, the newest committed checkpoint; else, only if
+        the job never completed a step, ``init_state``. Returns the leaves, the step, a source label,
+        and the bytes per tier.
+
+        The epoch's ``restore_step`` (the newest step every survivor had reported to the coordinator
+        when it planned) bounds nothing: reports go out at most once a second, and every step a
+        member holds is a state of the job's one timeline. It says only whether the job has
+        completed a step at all (-1: start from scratch).
         """
         target = assignment.restore_step
         t = time.monotonic()
-        offer = self._offer(target)
+        offer = self._offer(target >= 0)
         with peer_failures():
             gathered = self.runtime.allgather_text("offers", json.dumps(offer), self.policy.init_timeout_s)
         offers = [json.loads(g) for g in gathered]
         self._restore_phases = {"restore_agree": time.monotonic() - t}
         self._peers = [o["addr"] for o in offers]
-        if target >= 0:
-            found = self._restore_from_members(assignment, offers, shardings)
+        held = self._held_by_members(assignment, offers, shardings) if target >= 0 else None
+        newest_commit = max((step for step, _ in assignment.commits), default=-1)
+        if held is None or held[0][0] < newest_commit:
+            if held is not None:
+                # Replaying the steps between them would cost more than reading the checkpoint.
+                log.info(
+                    "a committed checkpoint is newer than the newest step the members hold",
+                    held=held[0][0],
+                    commit=newest_commit,
+                )
+            found = self._restore_from_storage(assignment, shardings, above=held[0][0] if held else None)
             if found is not None:
                 return found
-        return self._restore_from_storage(assignment, shardings)
+        assert held is not None  # storage returns None only where the members hold a step
+        return self._restore_from_members(*held, rank=assignment.rank, shardings=shardings)
 
-    def _offer(self, target: int) -> dict[str, Any]:
-        """This process's pieces at every restore point up to ``target``, as it tells the others."""
+    def _offer(self, any_step: bool) -> dict[str, Any]:
+        """This process's pieces at every restore point it holds (none unless ``any_step``), as it
+        tells the others."""
         self._offered = {}
         points: dict[RestorePoint, dict[str, Any]] = {}
-        if target >= 0:
-            for snap in self.snapshots.all(target, self._shapes()):
+        if any_step:
+            for snap in self.snapshots.all(self._shapes()):
                 point = (snap.step, snap.layout)
                 self._offered[point] = snap.pieces
                 points[point] = {"tier": snap.tier, "own": [encode_key(k) for k in snap.pieces], "buddy": []}
-            for copy in self.buddies.all(target, self._shapes()):
+            for copy in self.buddies.all(self._shapes()):
                 point = (copy.step, copy.layout)
                 self._offered[point] = {**copy.pieces, **self._offered.get(point, {})}
                 entry = points.setdefault(point, {"tier": "memory", "own": [], "buddy": []})
@@ -1142,9 +1162,11 @@ class Session:
             "points": [[s, e, v["tier"], v["own"], v["buddy"]] for (s, e), v in sorted(points.items())],
         }
 
-    def _restore_from_members(
+    def _held_by_members(
         self, assignment: Assignment, offers: list[dict[str, Any]], shardings: list[NamedSharding]
-    ) -> tuple[list[jax.Array], int, str, dict[str, int]] | None:
+    ) -> tuple[RestorePoint, Fetch] | None:
+        """The newest restore point whose pieces the members hold between them, and where this
+        process fetches each piece it lacks from; None where they hold no step whole."""
         shapes = self._shapes()
         needed = {
             i: needed_cells(s, shape) for i, (s, (shape, _)) in enumerate(zip(shardings, shapes, strict=True))
@@ -1169,17 +1191,24 @@ class Session:
             except Uncovered:
                 log.info("the members do not hold every piece of this step", step=point[0], layout=point[1])
                 continue
-            t = time.monotonic()
-            pieces = self._gather(assignment.rank, point, plan.sources)
-            self._restore_phases["restore_fetch"] = time.monotonic() - t
-            t = time.monotonic()
-            leaves = self._build(pieces, shardings)
-            self._restore_phases["restore_build"] = time.monotonic() - t
-            self.snapshots.drop_after(point[0])
-            self.buddies.drop_after(point[0])
-            source = "+".join(sorted(plan.bytes_by_tier)) or "memory"
-            return leaves, point[0], source, plan.bytes_by_tier
+            return point, plan
         return None
+
+    def _restore_from_members(
+        self, point: RestorePoint, plan: Fetch, *, rank: int, shardings: list[NamedSharding]
+    ) -> tuple[list[jax.Array], int, str, dict[str, int]]:
+        """The state of ``point`` on the new mesh: this process's pieces from memory, the rest
+        fetched as ``plan`` says."""
+        t = time.monotonic()
+        pieces = self._gather(rank, point, plan.sources)
+        self._restore_phases["restore_fetch"] = time.monotonic() - t
+        t = time.monotonic()
+        leaves = self._build(pieces, shardings)
+        self._restore_phases["restore_build"] = time.monotonic() - t
+        self.snapshots.drop_after(point[0])
+        self.buddies.drop_after(point[0])
+        source = "+".join(sorted(plan.bytes_by_tier)) or "memory"
+        return leaves, point[0], source, plan.bytes_by_tier
 
     def _gather(
         self, me: int, point: RestorePoint, sources: Mapping[tuple[int, Cell], tuple[int, str]]
@@ -1213,17 +1242,19 @@ class Session:
         return build(pieces, self._shapes(), shardings)
 
     def _restore_from_storage(
-        self, assignment: Assignment, shardings: list[NamedSharding]
-    ) -> tuple[list[jax.Array], int, str, dict[str, int]]:
-        """The newest committed checkpoint at or below the restore step, chosen by rank 0 so every
-        member loads the same one; ``init_state`` only where the job never completed a step."""
+        self, assignment: Assignment, shardings: list[NamedSharding], above: int | None = None
+    ) -> tuple[list[jax.Array], int, str, dict[str, int]] | None:
+        """The newest committed checkpoint, chosen by rank 0 so every member loads the same one;
+        ``init_state`` only where the job never completed a step. ``above``: a step the members hold
+        in memory; only a checkpoint newer than it is restored, and None is returned where no such
+        one is readable (the caller restores that step)."""
         target = assignment.restore_step
         # The commits the coordinator accepted in this job. None where it accepted none yet: a job
         # launched again (the full restart) resumes from what an earlier run committed, guarded by
         # the epoch fence only; once this job commits, only its own accepted commits count.
         trusted: Trusted = assignment.commits or None
         sharded = self._sharded(shardings)
-        bound: int | None = None if target < 0 else target
+        bound: int | None = None
         for attempt in itertools.count():
             # Rank 0 chooses, so that every member loads the same step. A sharded state's files are
             # checked by every member, a share each, before anyone restores: one that differs sends
@@ -1233,6 +1264,8 @@ class Session:
                 if assignment.rank == 0 and (bound is None or bound >= 0)
                 else (-1, -1)
             )
+            if above is not None and candidate <= above:
+                candidate, tier = -1, -1
             chosen = self.runtime.allgather_int(
                 f"checkpoint-{attempt}", candidate, self.policy.init_timeout_s
             )[0]
@@ -1255,12 +1288,15 @@ class Session:
             )
             bound = chosen - 1
         if chosen < 0:
+            if above is not None:
+                log.info("no newer checkpoint is readable: restoring the step held in memory", step=above)
+                return None
             if target > 0:
                 raise StateLost(
                     assignment.epoch,
                     target,
-                    f"no member holds step {target} or an earlier one in memory, and no committed "
-                    f"checkpoint at or below it is readable (tiers: "
+                    f"no member holds any step of the job in memory, and no committed checkpoint is "
+                    f"readable (tiers: "
                     f"{', '.join(s.name for s in self.checkpoints) or 'none configured'})",
                 )
             log.info("starting from scratch: the job has not completed a step", target=target)

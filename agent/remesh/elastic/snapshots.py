@@ -201,12 +201,12 @@ class Snapshots:
             found |= {_step_of(p) for p in self.directory.glob(f"step_*{_SUFFIX}")}
         return sorted(found)
 
-    def all(self, max_step: int, shapes: Sequence[tuple[tuple[int, ...], Any]]) -> list[Snapshot]:
-        """Every snapshot at or below ``max_step`` that fits ``shapes`` ((shape, dtype) per leaf),
-        newest first: memory where held, else the ``/dev/shm`` file."""
+    def all(self, shapes: Sequence[tuple[tuple[int, ...], Any]]) -> list[Snapshot]:
+        """Every snapshot that fits ``shapes`` ((shape, dtype) per leaf), newest first: memory where
+        held, else the ``/dev/shm`` file."""
         out = []
         for step in reversed(self.steps()):
-            if step <= max_step and (found := self.get(step, shapes)) is not None:
+            if (found := self.get(step, shapes)) is not None:
                 out.append(found)
         return out
 

@@ -79,7 +79,9 @@ def natural_key(host_id: str) -> tuple[object, ...]:
 
 
 def _restore_step(survivors: Sequence[str], steps: Mapping[str, int], fallback: int) -> int:
-    """The newest step every survivor has completed: all of them hold a snapshot of it."""
+    """The newest step every survivor reported completing (``fallback`` where none did): in the event
+    log, how far the job got; to the trainers, whether it completed a step at all. They restore the
+    newest step they hold between them, which a report on its way may put past this one."""
     known = [steps[h] for h in survivors if h in steps and steps[h] >= 0]
     return min(known) if known else fallback
 
