@@ -26,9 +26,13 @@ def topology(t: float, epoch: int, hosts: list[str], restore: int, reached: int 
     return Event(EventType.TOPOLOGY_CHANGED, t, epoch, "test", topology=topo, details=details)
 
 
-def ack(t: float, epoch: int, host: str, restored: int, restore_s: float) -> Event:
+def ack(
+    t: float, epoch: int, host: str, restored: int, restore_s: float, reached: int | None = None
+) -> Event:
     phases = {"reinit": 0.5, "restore": restore_s, "compile": 1.0, "first_step": 0.2}
     details = {"restored_step": str(restored), "phases": json.dumps(phases)}
+    if reached is not None:
+        details["reached_step"] = str(reached)
     return Event(EventType.EPOCH_ACKED, t, epoch, "ack", host_id=host, details=details)
 
 
@@ -77,6 +81,23 @@ def test_one_failure_worked_out_by_hand() -> None:
     assert (r.hosts, r.epoch, r.restored_step, r.steps_lost) == (("h1",), 2, 90, 10)
     assert r.phases["decide"] == pytest.approx(1.0) and r.phases["restore"] == 2.0
     assert r.to_dict()["to_live_s"] == pytest.approx(10.0)
+
+
+def test_the_furthest_step_a_member_acknowledged_counts_where_the_topology_lagged() -> None:
+    """Progress reaches the coordinator at most once a second: epoch 2's topology recorded step 95,
+    but h0 completed step 100 before it (its acknowledgement says so). The thrown-away steps are
+    counted from 100, as in the run whose topology knew it."""
+    lagging = [*RUN]
+    lagging[6] = topology(121.0, 2, ["h0", "s0"], 90, reached=95)
+    lagging[7] = ack(128.0, 2, "h0", 90, 1.0, reached=100)
+    lagging[8] = ack(130.0, 2, "s0", 90, 2.0, reached=-1)  # a spare: never ran a step of the job
+    g = compute(lagging, now=230.0, current_step=190)
+    assert g.to_dict() == compute(RUN, now=230.0, current_step=190).to_dict()
+    (r,) = g.recoveries
+    assert r.steps_lost == 10
+    # Without the acknowledgement, the topology's lagging figure is all there is.
+    lagging[7] = ack(128.0, 2, "h0", 90, 1.0)
+    assert compute(lagging, now=230.0, current_step=190).recoveries[0].steps_lost == 5
 
 
 def test_a_finished_job_ends_at_its_last_step_whatever_the_clock_says() -> None:

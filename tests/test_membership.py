@@ -566,6 +566,13 @@ def test_an_ack_records_the_bytes_restored_per_tier() -> None:
     assert one(events).details["restored_bytes"] == '{"buddy": 900, "peer": 12}'
 
 
+def test_an_ack_records_how_far_the_member_got_before_the_epoch_where_it_knows() -> None:
+    events, _ = membership.ack_epoch(NOW, job(), "a1", 1, 3, 17, "memory", {}, reached_step=19)
+    assert one(events).details["reached_step"] == "19"
+    events, _ = membership.ack_epoch(NOW, job(), "a1", 1, 3, 17, "peer", {}, reached_step=-1)  # a spare
+    assert "reached_step" not in one(events).details
+
+
 @pytest.mark.parametrize(
     ("tiers", "match"),
     [

@@ -152,3 +152,28 @@ def test_agents_and_trainers_publish_what_they_do_and_a_killed_trainer_is_counte
     panels = dashboard["panels"]
     assert len({p["id"] for p in panels}) == len(panels)
     assert all(t["expr"] for p in panels for t in p["targets"])
+
+
+def test_the_coordinators_heartbeats_do_not_follow_the_trainers_step_rate(cluster: Cluster) -> None:
+    """Two stand-in trainers step every 5 ms, each step a progress report to its agent. The agents
+    relay the newest step on their regular heartbeats (every 0.5 s here), not one heartbeat a step:
+    the coordinator hears of the steps, and its heartbeat count stays a small fraction of them."""
+    coordinator = cluster.start_coordinator(
+        "--world-size", "2", "--metrics-port", "0", "--heartbeat-interval", "0.5"
+    )
+    for host in ("host-0", "host-1"):
+        cluster.start_agent(
+            host, env={**os.environ, "STAND_IN_STEP_S": "0.005"}, extra=("--no-warm-standby",)
+        )
+    cluster.wait_epoch(1)
+    port = metrics_port(coordinator)
+
+    def steps() -> int:
+        return sum(max(m.last_step, 0) for m in cluster.members().values())
+
+    before = steps()
+    heartbeats_before = value(scrape(port), "remesh_heartbeats_total") or 0
+    wait_for(lambda: steps() >= before + 600, 60, "the coordinator to hear of 600 more steps")
+    heartbeats = (value(scrape(port), "remesh_heartbeats_total") or 0) - heartbeats_before
+    stepped = steps() - before
+    assert heartbeats < stepped / 4, (heartbeats, stepped)

@@ -136,6 +136,7 @@ class Agent:
         # Whether the trainer completed a step since its start or its epoch's: the hang clock's
         # limit is the start-up timeout until it has.
         self.stepped = False
+        self._stall_reported = False
         self.local_address = ""
         self.trainer: TrainerProcess | None = None
         self.warm: TrainerProcess | None = None
@@ -722,8 +723,14 @@ class Agent:
             self.metrics.trainer_totals(totals)
         if step != self.last_step:
             self.last_progress = time.monotonic()
+            # The coordinator hears of a step with the next heartbeat; at once only of the trainer's
+            # first (its epoch runs) and of the first after a stall report (the coordinator counts
+            # the member blocked until it hears of a newer step). A heartbeat per step would multiply
+            # the fleet's heartbeat rate by its step rate.
+            if not self.stepped or self._stall_reported:
+                self._progress.set()
             self.stepped = True
-            self._progress.set()
+            self._stall_reported = False
         self.last_step = step
         return int(self.topology.epoch)
 
@@ -761,10 +768,14 @@ class Agent:
                     restore_source=request.restore_source,
                     phases=dict(request.phases),
                     restored_bytes=dict(request.restored_bytes),
+                    reached_step=reached,
                 ),
                 timeout=2,
             )
 
+        # The furthest of what the trainer says and what it last reported here (a trainer process
+        # started for this epoch knows nothing of the one before; its predecessor's reports do).
+        reached = max(request.reached_step, self.last_step)
         reply = await self._relay("AckEpoch", ack)
         self.metrics.restored(request.restore_source, request.phases.get("restore"), request.restored_bytes)
         self.last_progress = time.monotonic()
@@ -810,6 +821,7 @@ class Agent:
                 timeout=2,
             )
 
+        self._stall_reported = True
         self.log.warning(
             "trainer blocked in a step",
             epoch=request.epoch,

@@ -41,6 +41,12 @@ def trainer_totals(stats: Mapping[str, float]) -> apb.TrainerTotals:
 
 log = structlog.get_logger("remesh.elastic")
 
+# A trainer tells its agent its newest completed step at most this often (the agent relays it on its
+# next heartbeat). Every step would be a local gRPC call and a wake-up of two more processes beside
+# the step (on this 2-core machine, several percent of a step of benchmarks/overhead.py); a second
+# is far below anything that reads the step (the agent's hang timeout, the operators' views).
+PROGRESS_EVERY_S = 1.0
+
 
 @dataclass(frozen=True)
 class Assignment:
@@ -91,9 +97,12 @@ class Assignment:
 
 
 class AgentClient:
-    def __init__(self, address: str, first: Assignment, slot: int = 0) -> None:
+    def __init__(
+        self, address: str, first: Assignment, slot: int = 0, progress_every_s: float = PROGRESS_EVERY_S
+    ) -> None:
         self.address = address
         self.slot = slot
+        self.progress_every_s = progress_every_s
         self._channel = grpc.insecure_channel(address)
         self._stub = apb_grpc.AgentLocalStub(self._channel)
         self._latest = first
@@ -107,18 +116,25 @@ class AgentClient:
         # progress goes out from a background thread, coalesced, so no step waits for an RPC.
         self._progress: tuple[int, int, dict[str, float] | None] | None = None
         self._sending = False
+        # When the last report went out, and whether the next one goes at once (after a stall
+        # report: the coordinator holds the stall against this member until it hears of a newer step;
+        # and on a flush).
+        self._last_sent = -float("inf")
+        self._urgent = False
         self._progress_due = threading.Condition()
         self._reporter: threading.Thread | None = None
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> AgentClient:
+    def from_env(
+        cls, env: Mapping[str, str] | None = None, progress_every_s: float = PROGRESS_EVERY_S
+    ) -> AgentClient:
         env = os.environ if env is None else env
         if Env.AGENT_ADDRESS not in env:
             raise RuntimeError(
                 f"{Env.AGENT_ADDRESS} is not set: run the trainer under `remesh agent ... -- COMMAND`"
             )
         given = TrainerAssignment.from_env(env)
-        return cls(given.agent_address, Assignment.of(given), given.slot)
+        return cls(given.agent_address, Assignment.of(given), given.slot, progress_every_s)
 
     def _follow(self) -> None:
         backoff = 0.05
@@ -189,9 +205,10 @@ class AgentClient:
         return int(reply.current_epoch)
 
     def report_progress_later(self, step: int, epoch: int, totals: Mapping[str, float] | None = None) -> None:
-        """Report a completed step from the background and return at once. Reports that pile up
-        behind a slow one are coalesced into the newest: the coordinator needs only the last step,
-        and the totals are running totals (copied now: the caller goes on counting)."""
+        """Report a completed step from the background and return at once. At most one report goes
+        out every ``progress_every_s``; those asked for meanwhile are coalesced into the newest: the
+        coordinator needs only the last step, and the totals are running totals (copied now: the
+        caller goes on counting)."""
         with self._progress_due:
             self._progress = (step, epoch, dict(totals) if totals is not None else None)
             self._progress_due.notify_all()
@@ -202,18 +219,32 @@ class AgentClient:
     def flush_progress(self, timeout: float = 10.0) -> bool:
         """Wait until every progress report asked for has been sent (or tried); False on timeout."""
         with self._progress_due:
+            if self._progress is not None:
+                self._urgent = True
+                self._progress_due.notify_all()
             return self._progress_due.wait_for(lambda: self._progress is None and not self._sending, timeout)
 
     def _report(self) -> None:
+        def due() -> bool:
+            if self._closed:
+                return True
+            return self._progress is not None and (
+                self._urgent or time.monotonic() >= self._last_sent + self.progress_every_s
+            )
+
         while True:
             with self._progress_due:
-                self._progress_due.wait_for(lambda: self._progress is not None or self._closed)
+                while not due():
+                    wait = None if self._progress is None else self._last_sent + self.progress_every_s
+                    self._progress_due.wait(None if wait is None else max(0.0, wait - time.monotonic()))
                 if self._closed:
                     return
-                due, self._progress, self._sending = self._progress, None, True
+                report, self._progress, self._sending = self._progress, None, True
+                self._urgent = False
+                self._last_sent = time.monotonic()
             try:
-                if due is not None:
-                    self.report_progress(*due)
+                if report is not None:
+                    self.report_progress(*report)
             finally:
                 with self._progress_due:
                     self._sending = False
@@ -226,9 +257,10 @@ class AgentClient:
         source: str,
         phases: Mapping[str, float],
         restored_bytes: Mapping[str, int] | None = None,
+        reached_step: int = -1,
     ) -> bool:
         """Acknowledge ``epoch`` to the coordinator (through the agent, which retries through a leader
-        change). Raises ``EpochSuperseded`` when the coordinator refuses (a newer epoch began) and
+        change). ``reached_step``: the newest step this process completed before ``epoch``. Raises ``EpochSuperseded`` when the coordinator refuses (a newer epoch began) and
         ``AgentUnreachable`` when no answer came."""
         try:
             reply = self._stub.AckEpoch(
@@ -238,6 +270,7 @@ class AgentClient:
                     restore_source=source,
                     phases=dict(phases),
                     restored_bytes=dict(restored_bytes or {}),
+                    reached_step=reached_step,
                 ),
                 timeout=15,
             )
@@ -258,7 +291,10 @@ class AgentClient:
 
     def report_stall(self, epoch: int, step: int, blocked_s: float) -> None:
         """Tell the agent this trainer has been blocked for ``blocked_s`` in the step after ``step``
-        (it waits for a peer). Best effort: a report that does not arrive changes nothing here."""
+        (it waits for a peer). Best effort: a report that does not arrive changes nothing here. The
+        next progress report goes at once: the coordinator counts this member as blocked until then."""
+        with self._progress_due:
+            self._urgent = True
         try:
             self._stub.ReportStall(
                 apb.LocalStallRequest(epoch=epoch, step=step, blocked_s=blocked_s), timeout=5

@@ -46,7 +46,7 @@ from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from remesh.elastic.agent_client import AgentClient, Assignment
+from remesh.elastic.agent_client import PROGRESS_EVERY_S, AgentClient, Assignment
 from remesh.elastic.cadence import Cadence
 from remesh.elastic.checkpoints import Approve, CheckpointError, StaleEpoch, Trusted
 from remesh.elastic.data import HostBatches, StepData
@@ -218,6 +218,9 @@ class Policy:
     # At the end of the run, gather the whole state onto every process (a collective) so that
     # ``final_leaves`` holds it even when it is sharded.
     gather_final: bool = False
+    # Tell the agent the newest completed step at most this often (remesh.elastic.agent_client); a
+    # step that follows a stall report is told at once.
+    progress_every_s: float = PROGRESS_EVERY_S
     # In-process recoveries before the session asks for a fresh process instead.
     max_in_process_recoveries: int = 50
     # Persistent XLA compilation cache: a re-initialised process compiles from it. By default
@@ -244,6 +247,8 @@ class Policy:
         return max(self.snapshots_kept, 3 * self.buddy_every // self.snapshot_every + 1)
 
     def __post_init__(self) -> None:
+        if self.progress_every_s < 0:
+            raise ValueError(f"progress_every_s must be >= 0, not {self.progress_every_s}")
         if self.snapshot_every == "auto":
             if self.buddy_every not in (0, 1):
                 raise ValueError(
@@ -511,7 +516,7 @@ class Session:
         self._data = data
         self.devices_per_host = devices_per_host
         self.checkpoints = list(checkpoints)
-        self.agent = agent or AgentClient.from_env()
+        self.agent = agent or AgentClient.from_env(progress_every_s=self.policy.progress_every_s)
         job = job_id or os.environ.get(Env.JOB, "default")
         self.job_id = job
         shm = (
@@ -777,6 +782,9 @@ class Session:
         log.error(
             "in-process recovery impossible; exiting for the agent to restart us", reason=reason, code=code
         )
+        # The newest step still waiting for its report (they go out at most once a second): the
+        # agent tells the coordinator how far this process got when its successor acknowledges.
+        self.agent.flush_progress(timeout=0.5)
         sys.stdout.flush()
         sys.stderr.flush()
         # os._exit: JAX's exit hooks would wait on a runtime whose peers are gone.
@@ -864,8 +872,10 @@ class Session:
         """Acknowledge the epoch. A refusal means a newer epoch began (``EpochSuperseded``: move on);
         no answer at all, even after the agent's own retries, asks for a fresh process rather than
         train in an epoch that can never go live."""
+        last = self._last_completed
+        reached = last[1] if last is not None and last[0] < assignment.epoch else -1
         try:
-            self.agent.ack(assignment.epoch, restored, source, phases, tiers)
+            self.agent.ack(assignment.epoch, restored, source, phases, tiers, reached)
         except AgentUnreachable as exc:
             raise RestartProcess(str(exc)) from exc
         finally:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from remesh.v1 import coordinator_pb2 as remesh_dot_v1_dot_coordinator__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15remesh/v1/agent.proto\x12\tremesh.v1\x1a\x1bremesh/v1/coordinator.proto\"f\n\nAssignment\x12%\n\x08topology\x18\x01 \x01(\x0b\x32\x13.remesh.v1.Topology\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\"<\n\x17WatchAssignmentsRequest\x12\x13\n\x0b\x61\x66ter_epoch\x18\x01 \x01(\x03\x12\x0c\n\x04slot\x18\x02 \x01(\x05\"^\n\x15ReportProgressRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12(\n\x06totals\x18\x03 \x01(\x0b\x32\x18.remesh.v1.TrainerTotals\"\x81\x02\n\rTrainerTotals\x12\r\n\x05steps\x18\x01 \x01(\x03\x12\x14\n\x0cstep_seconds\x18\x02 \x01(\x01\x12\x11\n\tsnapshots\x18\x03 \x01(\x03\x12\x18\n\x10snapshot_seconds\x18\x04 \x01(\x01\x12\x16\n\x0esnapshot_bytes\x18\x05 \x01(\x03\x12\x13\n\x0b\x63heckpoints\x18\x06 \x01(\x03\x12\x1f\n\x17\x63heckpoint_save_seconds\x18\x07 \x01(\x01\x12\x1f\n\x17\x63heckpoint_wait_seconds\x18\x08 \x01(\x01\x12\x15\n\rpeer_failures\x18\t \x01(\x03\x12\x18\n\x10\x63heckpoint_bytes\x18\n \x01(\x03\"/\n\x16ReportProgressResponse\x12\x15\n\rcurrent_epoch\x18\x01 \x01(\x03\"\xb3\x02\n\x0fLocalAckRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x15\n\rrestored_step\x18\x02 \x01(\x03\x12\x16\n\x0erestore_source\x18\x03 \x01(\t\x12\x36\n\x06phases\x18\x04 \x03(\x0b\x32&.remesh.v1.LocalAckRequest.PhasesEntry\x12\x45\n\x0erestored_bytes\x18\x05 \x03(\x0b\x32-.remesh.v1.LocalAckRequest.RestoredBytesEntry\x1a-\n\x0bPhasesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x34\n\x12RestoredBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\" \n\x10LocalAckResponse\x12\x0c\n\x04live\x18\x01 \x01(\x08\"?\n\x12LocalCommitRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04tier\x18\x03 \x01(\t\"\x15\n\x13LocalCommitResponse\"C\n\x11LocalStallRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x11\n\tblocked_s\x18\x03 \x01(\x01\"\x14\n\x12LocalStallResponse\"1\n\x12LocalFinishRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\"\x15\n\x13LocalFinishResponse2\xe1\x03\n\nAgentLocal\x12O\n\x10WatchAssignments\x12\".remesh.v1.WatchAssignmentsRequest\x1a\x15.remesh.v1.Assignment0\x01\x12U\n\x0eReportProgress\x12 .remesh.v1.ReportProgressRequest\x1a!.remesh.v1.ReportProgressResponse\x12\x43\n\x08\x41\x63kEpoch\x12\x1a.remesh.v1.LocalAckRequest\x1a\x1b.remesh.v1.LocalAckResponse\x12Q\n\x10\x43ommitCheckpoint\x12\x1d.remesh.v1.LocalCommitRequest\x1a\x1e.remesh.v1.LocalCommitResponse\x12J\n\x0bReportStall\x12\x1c.remesh.v1.LocalStallRequest\x1a\x1d.remesh.v1.LocalStallResponse\x12G\n\x06\x46inish\x12\x1d.remesh.v1.LocalFinishRequest\x1a\x1e.remesh.v1.LocalFinishResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15remesh/v1/agent.proto\x12\tremesh.v1\x1a\x1bremesh/v1/coordinator.proto\"f\n\nAssignment\x12%\n\x08topology\x18\x01 \x01(\x0b\x32\x13.remesh.v1.Topology\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\"<\n\x17WatchAssignmentsRequest\x12\x13\n\x0b\x61\x66ter_epoch\x18\x01 \x01(\x03\x12\x0c\n\x04slot\x18\x02 \x01(\x05\"^\n\x15ReportProgressRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12(\n\x06totals\x18\x03 \x01(\x0b\x32\x18.remesh.v1.TrainerTotals\"\x81\x02\n\rTrainerTotals\x12\r\n\x05steps\x18\x01 \x01(\x03\x12\x14\n\x0cstep_seconds\x18\x02 \x01(\x01\x12\x11\n\tsnapshots\x18\x03 \x01(\x03\x12\x18\n\x10snapshot_seconds\x18\x04 \x01(\x01\x12\x16\n\x0esnapshot_bytes\x18\x05 \x01(\x03\x12\x13\n\x0b\x63heckpoints\x18\x06 \x01(\x03\x12\x1f\n\x17\x63heckpoint_save_seconds\x18\x07 \x01(\x01\x12\x1f\n\x17\x63heckpoint_wait_seconds\x18\x08 \x01(\x01\x12\x15\n\rpeer_failures\x18\t \x01(\x03\x12\x18\n\x10\x63heckpoint_bytes\x18\n \x01(\x03\"/\n\x16ReportProgressResponse\x12\x15\n\rcurrent_epoch\x18\x01 \x01(\x03\"\xc9\x02\n\x0fLocalAckRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x15\n\rrestored_step\x18\x02 \x01(\x03\x12\x16\n\x0erestore_source\x18\x03 \x01(\t\x12\x36\n\x06phases\x18\x04 \x03(\x0b\x32&.remesh.v1.LocalAckRequest.PhasesEntry\x12\x45\n\x0erestored_bytes\x18\x05 \x03(\x0b\x32-.remesh.v1.LocalAckRequest.RestoredBytesEntry\x12\x14\n\x0creached_step\x18\x06 \x01(\x03\x1a-\n\x0bPhasesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x34\n\x12RestoredBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\" \n\x10LocalAckResponse\x12\x0c\n\x04live\x18\x01 \x01(\x08\"?\n\x12LocalCommitRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04tier\x18\x03 \x01(\t\"\x15\n\x13LocalCommitResponse\"C\n\x11LocalStallRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x11\n\tblocked_s\x18\x03 \x01(\x01\"\x14\n\x12LocalStallResponse\"1\n\x12LocalFinishRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\"\x15\n\x13LocalFinishResponse2\xe1\x03\n\nAgentLocal\x12O\n\x10WatchAssignments\x12\".remesh.v1.WatchAssignmentsRequest\x1a\x15.remesh.v1.Assignment0\x01\x12U\n\x0eReportProgress\x12 .remesh.v1.ReportProgressRequest\x1a!.remesh.v1.ReportProgressResponse\x12\x43\n\x08\x41\x63kEpoch\x12\x1a.remesh.v1.LocalAckRequest\x1a\x1b.remesh.v1.LocalAckResponse\x12Q\n\x10\x43ommitCheckpoint\x12\x1d.remesh.v1.LocalCommitRequest\x1a\x1e.remesh.v1.LocalCommitResponse\x12J\n\x0bReportStall\x12\x1c.remesh.v1.LocalStallRequest\x1a\x1d.remesh.v1.LocalStallResponse\x12G\n\x06\x46inish\x12\x1d.remesh.v1.LocalFinishRequest\x1a\x1e.remesh.v1.LocalFinishResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,25 +47,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REPORTPROGRESSRESPONSE']._serialized_start=587
   _globals['_REPORTPROGRESSRESPONSE']._serialized_end=634
   _globals['_LOCALACKREQUEST']._serialized_start=637
-  _globals['_LOCALACKREQUEST']._serialized_end=944
-  _globals['_LOCALACKREQUEST_PHASESENTRY']._serialized_start=845
-  _globals['_LOCALACKREQUEST_PHASESENTRY']._serialized_end=890
-  _globals['_LOCALACKREQUEST_RESTOREDBYTESENTRY']._serialized_start=892
-  _globals['_LOCALACKREQUEST_RESTOREDBYTESENTRY']._serialized_end=944
-  _globals['_LOCALACKRESPONSE']._serialized_start=946
-  _globals['_LOCALACKRESPONSE']._serialized_end=978
-  _globals['_LOCALCOMMITREQUEST']._serialized_start=980
-  _globals['_LOCALCOMMITREQUEST']._serialized_end=1043
-  _globals['_LOCALCOMMITRESPONSE']._serialized_start=1045
-  _globals['_LOCALCOMMITRESPONSE']._serialized_end=1066
-  _globals['_LOCALSTALLREQUEST']._serialized_start=1068
-  _globals['_LOCALSTALLREQUEST']._serialized_end=1135
-  _globals['_LOCALSTALLRESPONSE']._serialized_start=1137
-  _globals['_LOCALSTALLRESPONSE']._serialized_end=1157
-  _globals['_LOCALFINISHREQUEST']._serialized_start=1159
-  _globals['_LOCALFINISHREQUEST']._serialized_end=1208
-  _globals['_LOCALFINISHRESPONSE']._serialized_start=1210
-  _globals['_LOCALFINISHRESPONSE']._serialized_end=1231
-  _globals['_AGENTLOCAL']._serialized_start=1234
-  _globals['_AGENTLOCAL']._serialized_end=1715
+  _globals['_LOCALACKREQUEST']._serialized_end=966
+  _globals['_LOCALACKREQUEST_PHASESENTRY']._serialized_start=867
+  _globals['_LOCALACKREQUEST_PHASESENTRY']._serialized_end=912
+  _globals['_LOCALACKREQUEST_RESTOREDBYTESENTRY']._serialized_start=914
+  _globals['_LOCALACKREQUEST_RESTOREDBYTESENTRY']._serialized_end=966
+  _globals['_LOCALACKRESPONSE']._serialized_start=968
+  _globals['_LOCALACKRESPONSE']._serialized_end=1000
+  _globals['_LOCALCOMMITREQUEST']._serialized_start=1002
+  _globals['_LOCALCOMMITREQUEST']._serialized_end=1065
+  _globals['_LOCALCOMMITRESPONSE']._serialized_start=1067
+  _globals['_LOCALCOMMITRESPONSE']._serialized_end=1088
+  _globals['_LOCALSTALLREQUEST']._serialized_start=1090
+  _globals['_LOCALSTALLREQUEST']._serialized_end=1157
+  _globals['_LOCALSTALLRESPONSE']._serialized_start=1159
+  _globals['_LOCALSTALLRESPONSE']._serialized_end=1179
+  _globals['_LOCALFINISHREQUEST']._serialized_start=1181
+  _globals['_LOCALFINISHREQUEST']._serialized_end=1230
+  _globals['_LOCALFINISHRESPONSE']._serialized_start=1232
+  _globals['_LOCALFINISHRESPONSE']._serialized_end=1253
+  _globals['_AGENTLOCAL']._serialized_start=1256
+  _globals['_AGENTLOCAL']._serialized_end=1737
 # @@protoc_insertion_point(module_scope)

@@ -68,7 +68,7 @@ class ReportProgressResponse(_message.Message):
     def __init__(self, current_epoch: _Optional[int] = ...) -> None: ...
 
 class LocalAckRequest(_message.Message):
-    __slots__ = ("epoch", "restored_step", "restore_source", "phases", "restored_bytes")
+    __slots__ = ("epoch", "restored_step", "restore_source", "phases", "restored_bytes", "reached_step")
     class PhasesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -88,12 +88,14 @@ class LocalAckRequest(_message.Message):
     RESTORE_SOURCE_FIELD_NUMBER: _ClassVar[int]
     PHASES_FIELD_NUMBER: _ClassVar[int]
     RESTORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REACHED_STEP_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     restored_step: int
     restore_source: str
     phases: _containers.ScalarMap[str, float]
     restored_bytes: _containers.ScalarMap[str, int]
-    def __init__(self, epoch: _Optional[int] = ..., restored_step: _Optional[int] = ..., restore_source: _Optional[str] = ..., phases: _Optional[_Mapping[str, float]] = ..., restored_bytes: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    reached_step: int
+    def __init__(self, epoch: _Optional[int] = ..., restored_step: _Optional[int] = ..., restore_source: _Optional[str] = ..., phases: _Optional[_Mapping[str, float]] = ..., restored_bytes: _Optional[_Mapping[str, int]] = ..., reached_step: _Optional[int] = ...) -> None: ...
 
 class LocalAckResponse(_message.Message):
     __slots__ = ("live",)

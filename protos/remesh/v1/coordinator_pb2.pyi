@@ -347,7 +347,7 @@ class ReplayEventsRequest(_message.Message):
     def __init__(self, after_id: _Optional[str] = ..., since: _Optional[float] = ..., host_ids: _Optional[_Iterable[str]] = ..., types: _Optional[_Iterable[_Union[EventType, str]]] = ..., follow: _Optional[bool] = ...) -> None: ...
 
 class AckEpochRequest(_message.Message):
-    __slots__ = ("host_id", "incarnation", "epoch", "restored_step", "restore_source", "phases", "restored_bytes")
+    __slots__ = ("host_id", "incarnation", "epoch", "restored_step", "restore_source", "phases", "restored_bytes", "reached_step")
     class PhasesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -369,6 +369,7 @@ class AckEpochRequest(_message.Message):
     RESTORE_SOURCE_FIELD_NUMBER: _ClassVar[int]
     PHASES_FIELD_NUMBER: _ClassVar[int]
     RESTORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REACHED_STEP_FIELD_NUMBER: _ClassVar[int]
     host_id: str
     incarnation: int
     epoch: int
@@ -376,7 +377,8 @@ class AckEpochRequest(_message.Message):
     restore_source: str
     phases: _containers.ScalarMap[str, float]
     restored_bytes: _containers.ScalarMap[str, int]
-    def __init__(self, host_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., epoch: _Optional[int] = ..., restored_step: _Optional[int] = ..., restore_source: _Optional[str] = ..., phases: _Optional[_Mapping[str, float]] = ..., restored_bytes: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    reached_step: int
+    def __init__(self, host_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., epoch: _Optional[int] = ..., restored_step: _Optional[int] = ..., restore_source: _Optional[str] = ..., phases: _Optional[_Mapping[str, float]] = ..., restored_bytes: _Optional[_Mapping[str, int]] = ..., reached_step: _Optional[int] = ...) -> None: ...
 
 class AckEpochResponse(_message.Message):
     __slots__ = ("live",)

@@ -240,7 +240,10 @@ def compute(
         reached: int | None
         kept_until: int | None
         if successor is not None:
-            reached = successor.reached_before
+            # As the successor's topology recorded it, from the progress reports it had (at most
+            # one a second a member), or as its members said when they acknowledged it.
+            said = [_int(a.details.get("reached_step")) for a in successor.acks]
+            reached = max((s for s in (successor.reached_before, *said) if s is not None), default=None)
             # What a later epoch kept: the step it restored (none live yet: the step it is to restore).
             kept_until = restored(following) if following is not None else successor.restore_step
         else:

@@ -469,10 +469,13 @@ def ack_epoch(
     phases: Mapping[str, float],
     max_length: int = 128,
     restored_bytes: Mapping[str, int] | None = None,
+    reached_step: int = -1,
 ) -> tuple[list[Event], bool]:
     """A trainer runs ``epoch``; once all members of the epoch acknowledged it, the epoch is live.
 
-    ``restored_bytes``: where its state came from, bytes per tier (recorded with the event)."""
+    ``restored_bytes``: where its state came from, bytes per tier (recorded with the event).
+    ``reached_step``: the newest step its trainer completed before ``epoch`` (-1: none it knows of),
+    recorded where known: the progress reports the topology's reached_step came from may lag it."""
     member = _current(state, host_id, incarnation, max_length)
     if not member.state.is_up:
         raise Rejected(
@@ -503,6 +506,8 @@ def ack_epoch(
     }
     if tiers:
         details["restored_bytes"] = json.dumps(tiers, sort_keys=True)
+    if reached_step >= 0:
+        details["reached_step"] = str(reached_step)
     events = [
         Event(
             EventType.EPOCH_ACKED,

@@ -506,6 +506,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 request.restore_source,
                 dict(request.phases),
                 dict(request.restored_bytes),
+                request.reached_step,
             ),
         )
         return pb.AckEpochResponse(live=live)

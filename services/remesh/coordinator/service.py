@@ -764,6 +764,7 @@ class Coordinator:
         restore_source: str,
         phases: Mapping[str, float],
         restored_bytes: Mapping[str, int] | None = None,
+        reached_step: int = -1,
     ) -> bool:
         def transition(s: ClusterState, now: float) -> tuple[list[Event], bool]:
             return membership.ack_epoch(
@@ -777,6 +778,7 @@ class Coordinator:
                 phases,
                 self._max_id,
                 restored_bytes=restored_bytes,
+                reached_step=reached_step,
             )
 
         await self._batched(transition)

@@ -1,0 +1,115 @@
+"""A trainer's progress reports are coalesced in time: a fast loop makes one local call per
+``progress_every_s``, not one per step; the step after a stall report and a flush go at once.
+
+The trainer's side (``AgentClient``) talks to a real gRPC server on port 0 that records each
+report, as the agent's local API would receive it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+import pytest
+
+from remesh.elastic import Policy
+from remesh.elastic.agent_client import AgentClient, Assignment
+from remesh.v1 import agent_pb2 as apb
+from remesh.v1 import agent_pb2_grpc as apb_grpc
+
+
+class RecordingAgent(apb_grpc.AgentLocalServicer):
+    def __init__(self) -> None:
+        self.lock = threading.Condition()
+        self.progress: list[int] = []  # steps, in the order received
+        self.stalls: list[int] = []
+
+    def WatchAssignments(
+        self, request: apb.WatchAssignmentsRequest, context: grpc.ServicerContext
+    ) -> Iterator[apb.Assignment]:
+        while context.is_active():  # no new epoch, ever: the stream stays open
+            time.sleep(0.05)
+        yield from ()
+
+    def ReportProgress(
+        self, request: apb.ReportProgressRequest, context: grpc.ServicerContext
+    ) -> apb.ReportProgressResponse:
+        with self.lock:
+            self.progress.append(request.step)
+            self.lock.notify_all()
+        return apb.ReportProgressResponse(current_epoch=request.epoch)
+
+    def ReportStall(
+        self, request: apb.LocalStallRequest, context: grpc.ServicerContext
+    ) -> apb.LocalStallResponse:
+        with self.lock:
+            self.stalls.append(request.step)
+        return apb.LocalStallResponse()
+
+    def received(self, step: int, timeout: float) -> bool:
+        with self.lock:
+            return self.lock.wait_for(lambda: step in self.progress, timeout)
+
+
+@pytest.fixture
+def agent() -> Iterator[tuple[RecordingAgent, str]]:
+    recording = RecordingAgent()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    apb_grpc.add_AgentLocalServicer_to_server(recording, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield recording, f"127.0.0.1:{port}"
+    server.stop(0)
+
+
+def client(address: str, every: float) -> AgentClient:
+    first = Assignment(epoch=1, host_id="host-0", rank=0, world_size=1, jax_coordinator="", restore_step=-1)
+    return AgentClient(address, first, progress_every_s=every)
+
+
+def test_a_fast_loop_sends_one_report_per_interval_and_the_newest_step(
+    agent: tuple[RecordingAgent, str],
+) -> None:
+    recording, address = agent
+    every = 0.2
+    trainer = client(address, every)
+    try:
+        started = time.monotonic()
+        for step in range(1, 201):  # a step every 2 ms: 100 steps per interval
+            trainer.report_progress_later(step, 1)
+            time.sleep(0.002)
+        elapsed = time.monotonic() - started
+        assert trainer.flush_progress(timeout=5)
+    finally:
+        trainer.close()
+    steps = recording.progress
+    # The first step goes at once; then at most one report per interval, and the flush.
+    assert steps[0] == 1
+    assert len(steps) <= elapsed / every + 3, (len(steps), elapsed)
+    assert len(steps) < 50
+    assert steps == sorted(steps) and steps[-1] == 200
+
+
+def test_the_step_after_a_stall_report_is_reported_at_once(agent: tuple[RecordingAgent, str]) -> None:
+    recording, address = agent
+    trainer = client(address, every=300.0)  # nothing else would go out during the test
+    try:
+        trainer.report_progress_later(1, 1)
+        assert recording.received(1, timeout=5)  # the first goes at once
+        trainer.report_progress_later(2, 1)
+        assert not recording.received(2, timeout=0.3)  # held: the interval has not passed
+        trainer.report_stall(1, 2, blocked_s=1.5)
+        trainer.report_progress_later(3, 1)
+        assert recording.received(3, timeout=5)
+        assert recording.stalls == [2]
+        assert recording.progress == [1, 3]  # step 2 was coalesced into step 3
+    finally:
+        trainer.close()
+
+
+def test_a_negative_progress_interval_is_refused() -> None:
+    with pytest.raises(ValueError, match="progress_every_s"):
+        Policy(progress_every_s=-1)
