@@ -252,7 +252,13 @@ def print_topology(console: Console, msg: pb.Topology, now: float) -> None:
         head.append("  HALTED", style="bold red")
     console.print(head)
     mesh = " x ".join(str(n) for n in msg.mesh_shape) or "-"
-    restore = "from scratch" if msg.restore_step < 0 else f"step {msg.restore_step}"
+    # The members restore the newest step they hold between them (or a newer checkpoint); the
+    # topology says how far every survivor had reported when the epoch was planned.
+    restore = (
+        "from scratch"
+        if msg.restore_step < 0
+        else f"the newest step the members hold (survivors were at step {msg.restore_step})"
+    )
     info = Table.grid(padding=(0, 2))
     info.add_column(style="dim")
     info.add_column()
