@@ -139,7 +139,7 @@ def test_a_trainer_asking_for_a_fresh_process_is_restarted_without_a_fault() -> 
     ("code", "fault", "said"),
     [
         (ADDRESS_IN_USE_EXIT_CODE, Fault.ADDRESS_IN_USE, "port taken"),
-        (STATE_LOST_EXIT_CODE, Fault.STATE_LOST, "restore step 120"),
+        (STATE_LOST_EXIT_CODE, Fault.STATE_LOST, "survivors were at step 120"),
     ],
 )
 def test_a_port_taken_or_state_lost_is_charged_to_the_current_epoch(

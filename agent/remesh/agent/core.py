@@ -217,7 +217,7 @@ def on_trainer_exit(
         if result.returncode == STATE_LOST_EXIT_CODE:
             return Decision(
                 Do.REPORT_FAULT,
-                f"the trainer found no tier holding restore step {restore_step}",
+                f"the trainer found no tier holding any step of the job (its survivors were at step {restore_step})",
                 Fault.STATE_LOST,
                 epoch=max(result.epoch, current_epoch),
             )

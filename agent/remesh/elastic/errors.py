@@ -15,8 +15,8 @@
     │   ├── AlreadyCommitted     the step is committed already
     │   ├── NotProcessZero       only process 0 commits
     │   └── NoViableCheckpoint   no committed step could be read back (all missing or corrupt)
-    ├── StateLost              no tier holds the step the coordinator named, nor any earlier committed
-    │                          one: exit with STATE_LOST_EXIT_CODE; the agent reports it and the
+    ├── StateLost              the job completed steps, but no member holds one in memory and no
+    │                          committed checkpoint is readable: exit with STATE_LOST_EXIT_CODE; the agent reports it and the
     │                          coordinator halts the job with the reason (never a silent step 0)
     └── RestartProcess         in-process recovery is impossible: exit with RESTART_EXIT_CODE so the
         │                      agent starts a fresh process on the current topology
@@ -80,7 +80,7 @@ class RestartProcess(ElasticError):
 
 class StateLost(ElasticError):
     def __init__(self, epoch: int, step: int, reason: str) -> None:
-        super().__init__(f"epoch {epoch} restores step {step}, but {reason}")
+        super().__init__(f"epoch {epoch} found its survivors at step {step}, but {reason}")
         self.epoch = epoch
         self.step = step
 

@@ -383,8 +383,8 @@ def report_fault(
             [], False, f"the job finished at step {state.finished_step}: {kind.value} is not a fault"
         )
     if kind is FaultKind.STATE_LOST:
-        # A member of the current epoch found no tier holding the step the epoch restores (nor any
-        # earlier committed one). Starting from step 0 would silently throw the run away, and no
+        # A member of the current epoch found no tier holding any step of the job: no member holds
+        # one in memory, and no committed checkpoint is readable. Starting from step 0 would silently throw the run away, and no
         # other epoch can find more state than this one did: the job halts, saying why.
         current = topology is not None and not topology.halted and epoch == topology.epoch and in_topology
         if not current:
@@ -395,9 +395,10 @@ def report_fault(
         assert topology is not None
         reason = f"state_lost: {detail or 'no tier holds the restore step'}"
         halt = (
-            f"halted: no tier holds step {topology.restore_step} of the job (no host-memory snapshot, "
-            f"surviving replica or buddy copy, and no committed checkpoint at or below it). Restart the "
-            f"job from a checkpoint you trust, or from scratch on purpose; {host_id} reported: {detail}"
+            f"halted: no tier holds any step of the job, whose survivors had completed step "
+            f"{topology.restore_step} (no host-memory snapshot, surviving replica or buddy copy, and no "
+            f"readable committed checkpoint). Restart the job from a checkpoint you trust, or from "
+            f"scratch on purpose; {host_id} reported: {detail}"
         )
         return FaultOutcome(
             [_fault_event(now, state, host_id, incarnation, reason, details)], False, reason, halt
