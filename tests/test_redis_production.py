@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import shutil
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -17,13 +18,14 @@ from pathlib import Path
 
 import grpc
 import pytest
+import redis
 
 from remesh.coordinator import membership
 from remesh.coordinator.errors import StoreUnavailable
 from remesh.coordinator.model import ClusterState, Role
 from remesh.coordinator.redis_connection import RedisConnection
 from remesh.coordinator.store import RedisStore
-from remesh.embedded import RedisServer, find_redis_server, free_port
+from remesh.embedded import RedisExited, RedisServer, find_redis_server, free_port
 from remesh.v1 import coordinator_pb2 as pb
 from tests.procs import Cluster, wait_for
 
@@ -145,12 +147,25 @@ def tls_redis(tmp_path: Path) -> Iterator[tuple[RedisServer, int, Path]]:
              "-out", "server.crt", "-days", "1", "-extfile", "san.cnf", cwd=d)  # fmt: skip
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "other.key", "-out", "other.crt",
              "-subj", "/CN=another CA", "-days", "1", cwd=d)  # fmt: skip
-    tls_port = free_port()
-    args = ["--tls-port", str(tls_port), "--tls-cert-file", str(d / "server.crt"),
-            "--tls-key-file", str(d / "server.key"), "--tls-ca-cert-file", str(d / "ca.crt"),
-            "--tls-auth-clients", "no"]  # fmt: skip
-    with RedisServer(appendonly=False, extra_args=args) as server:
+    # The TLS port is picked here, so a server that exits at once (that port taken meanwhile by
+    # another process) is started again on other ports, a few times.
+    for attempt in range(5):
+        tls_port = free_port()
+        args = ["--tls-port", str(tls_port), "--tls-cert-file", str(d / "server.crt"),
+                "--tls-key-file", str(d / "server.key"), "--tls-ca-cert-file", str(d / "ca.crt"),
+                "--tls-auth-clients", "no"]  # fmt: skip
+        server = RedisServer(appendonly=False, extra_args=args)
+        try:
+            server.start()
+            break
+        except RedisExited:
+            server.close()
+            if attempt == 4:
+                raise
+    try:
         yield server, tls_port, d
+    finally:
+        server.close()
 
 
 def test_tls_with_a_ca_file_verifies_the_server(
@@ -194,3 +209,20 @@ def test_connection_settings_pick_the_client_and_never_show_the_password() -> No
         RedisConnection("http://127.0.0.1:6379")
     with pytest.raises(ValueError, match="not a rediss:// URL"):
         RedisConnection("redis://127.0.0.1:6379", ca_file="/ca.pem")
+
+
+def test_a_taken_port_moves_a_server_that_picked_it_and_fails_one_the_caller_gave() -> None:
+    """Another process binds the port between the pick and redis-server's own bind (a busy machine,
+    tests in parallel): a server that picked the port itself picks another; one given the port
+    says the port is taken."""
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        server = RedisServer(appendonly=False)
+        server.port = taken  # as if it had picked this one and lost it
+        with server:
+            assert server.port != taken
+            assert redis.Redis(port=server.port).ping()
+        with pytest.raises(RedisExited, match="is the port taken"), RedisServer(taken, appendonly=False):
+            pass

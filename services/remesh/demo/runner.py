@@ -518,15 +518,19 @@ class DemoRun:
 
     def _wait_finished(self) -> None:
         """The last step is done: the job finishes on its own (a JOB_FINISHED event) and every agent
-        still running exits by itself, with code 0."""
+        the demo did not kill exits by itself, with code 0: those still running, and those that
+        exited already (a spare leaves as soon as the job finishes; one that failed earlier counts)."""
         assert self.cluster is not None
-        running = {host: proc for host, proc in self.cluster.agents.items() if proc.alive()}
+        killed = {f["host_id"] for f in self.failures}
+        watched = {
+            host: proc for host, proc in self.cluster.agents.items() if host not in killed or proc.alive()
+        }
         self._wait(
             "the job to finish and every agent to exit",
-            lambda: self._events("job_finished") and not any(p.alive() for p in running.values()),
+            lambda: self._events("job_finished") and not any(p.alive() for p in watched.values()),
             self.config.finish_timeout_s,
         )
-        self.agent_exit_codes = {host: proc.popen.returncode for host, proc in running.items()}
+        self.agent_exit_codes = {host: proc.popen.returncode for host, proc in watched.items()}
         failed = {host: code for host, code in self.agent_exit_codes.items() if code != 0}
         if failed:
             raise DemoError(

@@ -2,6 +2,6 @@
 
 from remesh.embedded._process import free_port
 from remesh.embedded.gcs_server import FakeGcsServer
-from remesh.embedded.redis_server import RedisServer, find_redis_server
+from remesh.embedded.redis_server import RedisExited, RedisServer, find_redis_server
 
-__all__ = ["FakeGcsServer", "RedisServer", "find_redis_server", "free_port"]
+__all__ = ["FakeGcsServer", "RedisExited", "RedisServer", "find_redis_server", "free_port"]

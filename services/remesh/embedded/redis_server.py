@@ -43,6 +43,15 @@ def find_redis_server() -> str:
     )
 
 
+class RedisExited(RuntimeError):
+    """The redis-server process exited as it started: most often, its port was taken."""
+
+
+# Ports picked on a first start before giving up: another process may bind a free port between the
+# pick and redis-server's bind (a busy machine, tests in parallel).
+_PORT_ATTEMPTS = 5
+
+
 class RedisServer:
     """One redis-server process. ``appendonly`` keeps data across ``restart()``."""
 
@@ -56,6 +65,9 @@ class RedisServer:
         extra_args: Sequence[str] = (),
     ) -> None:
         self.port = port or free_port()
+        # A port this object picked itself may be swapped for another on the first start.
+        self._picked = port is None
+        self._started = False
         self.appendonly = appendonly
         self.appendfsync = appendfsync
         self.extra_args = list(extra_args)
@@ -69,6 +81,23 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> RedisServer:
+        """Start it and wait until it answers. Where it exits at once on a port it picked itself, on
+        its first start, it picks another (a few times); a port the caller gave, or a restart (whose
+        URL clients hold), raises ``RedisExited`` instead."""
+        attempts = _PORT_ATTEMPTS if self._picked and not self._started else 1
+        for attempt in range(attempts):
+            try:
+                self._start(timeout)
+                self._started = True
+                return self
+            except RedisExited:
+                if attempt == attempts - 1:
+                    raise
+                log.debug("redis-server exited at once; trying another port", port=self.port)
+                self.port = free_port()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _start(self, timeout: float) -> None:
         args = [
             self.binary,
             "--bind",
@@ -96,7 +125,7 @@ class RedisServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(
+                raise RedisExited(
                     f"redis-server exited with code {self.process.returncode} on port {self.port}: "
                     "is the port taken? pick another one"
                 )
@@ -106,7 +135,7 @@ class RedisServer:
                     # +PONG, or -NOAUTH from a server that requires a password: either way it serves.
                     if s.recv(16).startswith((b"+PONG", b"-NOAUTH")):
                         log.debug("redis started", port=self.port, binary=self.binary)
-                        return self
+                        return
             except OSError:
                 time.sleep(0.02)
         self.stop()
