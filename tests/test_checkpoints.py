@@ -115,6 +115,9 @@ def test_round_trip_is_bitwise(tier: Checkpoints) -> None:
     assert tier.committed_steps() == [5, 9]
     assert tier.latest_viable() == 9
     assert tier.latest_viable(max_step=6) == 5
+    # Past a step held elsewhere (the members' memory) only: nothing at or below it counts.
+    assert tier.latest_viable(above=5) == 9 and tier.latest_present(above=5) == 9
+    assert tier.latest_viable(above=9) is None and tier.latest_present(max_step=8, above=5) is None
     with pytest.raises(NoViableCheckpoint):
         tier.restore(step=4)
     with pytest.raises(NoViableCheckpoint):

@@ -123,9 +123,13 @@ class CheckpointStore(Protocol):
         self, step: int, epoch: int, state: PyTree, extra: Mapping[str, Any], approve: Approve | None = None
     ) -> None: ...
 
-    def latest_viable(self, max_step: int | None = None, trusted: Trusted = None) -> int | None: ...
+    def latest_viable(
+        self, max_step: int | None = None, trusted: Trusted = None, above: int | None = None
+    ) -> int | None: ...
 
-    def latest_present(self, max_step: int | None = None, trusted: Trusted = None) -> int | None: ...
+    def latest_present(
+        self, max_step: int | None = None, trusted: Trusted = None, above: int | None = None
+    ) -> int | None: ...
 
     def verify_share(self, step: int, rank: int, world_size: int, trusted: Trusted = None) -> bool: ...
 
@@ -1136,16 +1140,17 @@ class Session:
         self._restore_phases = {"restore_agree": time.monotonic() - t}
         self._peers = [o["addr"] for o in offers]
         held = self._held_by_members(assignment, offers, shardings) if target >= 0 else None
+        held_step = held[0][0] if held is not None else None
         newest_commit = max((step for step, _ in assignment.commits), default=-1)
-        if held is None or held[0][0] < newest_commit:
-            if held is not None:
+        if held_step is None or held_step < newest_commit:
+            if held_step is not None:
                 # Replaying the steps between them would cost more than reading the checkpoint.
                 log.info(
                     "a committed checkpoint is newer than the newest step the members hold",
-                    held=held[0][0],
+                    held=held_step,
                     commit=newest_commit,
                 )
-            found = self._restore_from_storage(assignment, shardings, above=held[0][0] if held else None)
+            found = self._restore_from_storage(assignment, shardings, above=held_step)
             if found is not None:
                 return found
         assert held is not None  # storage returns None only where the members hold a step
@@ -1269,13 +1274,12 @@ class Session:
             # Rank 0 chooses, so that every member loads the same step. A sharded state's files are
             # checked by every member, a share each, before anyone restores: one that differs sends
             # every member to the step before it.
+            # Past ``above`` only: a step the members hold is not read from storage.
             candidate, tier = (
-                self._newest_checkpoint(bound, trusted, read=not sharded)
+                self._newest_checkpoint(bound, trusted, read=not sharded, above=above)
                 if assignment.rank == 0 and (bound is None or bound >= 0)
                 else (-1, -1)
             )
-            if above is not None and candidate <= above:
-                candidate, tier = -1, -1
             chosen = self.runtime.allgather_int(
                 f"checkpoint-{attempt}", candidate, self.policy.init_timeout_s
             )[0]
@@ -1320,16 +1324,8 @@ class Session:
             # A sharded state is in a tier every host reaches (the one rank 0 chose it from), its
             # files checked against the marker already, a share by each member.
             store = self.checkpoints[tier]
-        else:  # a replicated state: any tier this host reaches that holds it
-            # The first that does (each check reads the step's files).
-            holding = (s for s in self.checkpoints if (s.latest_viable(chosen, trusted) or -1) == chosen)
-            found = next(holding, None)
-            if found is None:
-                raise RestartProcess(f"checkpoint of step {chosen} chosen by rank 0 is not readable here")
-            store = found
-        self.snapshots.clear()
-        self.buddies.clear()
-        if sharded:
+            self.snapshots.clear()
+            self.buddies.clear()
             abstract = jax.tree_util.tree_unflatten(
                 self._treedef,
                 [
@@ -1344,7 +1340,21 @@ class Session:
                 raise RestartProcess(f"checkpoint of step {chosen} chosen by rank 0: {exc}") from exc
             leaves = jax.tree_util.tree_leaves(tree)
         else:
-            tree = store.restore_state(chosen, jax.tree_util.tree_unflatten(self._treedef, template), trusted)
+            # A replicated state: the first tier this host reaches whose files of the step are all
+            # there; restoring reads them against the marker (once), and one that differs here
+            # sends this host to the next tier.
+            for store in (s for s in self.checkpoints if s.latest_present(chosen, trusted) == chosen):
+                try:
+                    tree = store.restore_state(
+                        chosen, jax.tree_util.tree_unflatten(self._treedef, template), trusted
+                    )
+                except CheckpointError:
+                    continue
+                break
+            else:
+                raise RestartProcess(f"checkpoint of step {chosen} chosen by rank 0 is not readable here")
+            self.snapshots.clear()
+            self.buddies.clear()
             host = jax.tree_util.tree_leaves(tree)
             leaves = self._build({(i, whole(x.shape)): np.asarray(x) for i, x in enumerate(host)}, shardings)
         nbytes = sum(int(x.nbytes) for x in first_replicas(leaves).values())
@@ -1354,13 +1364,20 @@ class Session:
     def _sharded(shardings: Sequence[NamedSharding]) -> bool:
         return any(not s.is_fully_replicated for s in shardings)
 
-    def _newest_checkpoint(self, bound: int | None, trusted: Trusted, read: bool) -> tuple[int, int]:
-        """The newest checkpoint at or below ``bound`` (None: any) whose commit the coordinator
-        accepted and whose files match its marker (``read``), or are all there (not ``read``: the
-        members check them, a share each), and the index of the tier holding it (-1, -1: none)."""
+    def _newest_checkpoint(
+        self, bound: int | None, trusted: Trusted, read: bool, above: int | None = None
+    ) -> tuple[int, int]:
+        """The newest checkpoint at or below ``bound`` (None: any) and past ``above`` whose commit the
+        coordinator accepted and whose files match its marker (``read``), or are all there (not
+        ``read``: the members check them, a share each), and the index of the tier holding it (-1,
+        -1: none)."""
         best, tier = -1, -1
         for i, store in enumerate(self.checkpoints):
-            step = store.latest_viable(bound, trusted) if read else store.latest_present(bound, trusted)
+            step = (
+                store.latest_viable(bound, trusted, above)
+                if read
+                else store.latest_present(bound, trusted, above)
+            )
             if step is not None and step > best:
                 best, tier = step, i
         return best, tier

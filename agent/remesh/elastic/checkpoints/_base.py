@@ -440,24 +440,37 @@ class Checkpoints(abc.ABC):
         marker = self._exact(step, trusted)
         return self._restore_first([] if marker is None else [marker], template).state
 
-    def latest_viable(self, max_step: int | None = None, trusted: Trusted = None) -> int | None:
-        """The newest committed step (at or below ``max_step``) whose files match its marker.
+    def latest_viable(
+        self, max_step: int | None = None, trusted: Trusted = None, above: int | None = None
+    ) -> int | None:
+        """The newest committed step (at or below ``max_step``, and past ``above``) whose files match
+        its marker; steps at or below ``above`` are not read at all.
 
         Restore falls back further only if Orbax then cannot read that step.
         """
-        return self._newest(max_step, trusted, self._fetch)
+        return self._newest(max_step, trusted, self._fetch, above)
 
-    def latest_present(self, max_step: int | None = None, trusted: Trusted = None) -> int | None:
-        """The newest committed step (at or below ``max_step``) whose files are all there, of the
-        sizes its marker says: what a tier tells without reading them. For a sharded state, whose
-        files every process checks a share of (``verify_share``) instead of one reading them all."""
-        return self._newest(max_step, trusted, self._present)
+    def latest_present(
+        self, max_step: int | None = None, trusted: Trusted = None, above: int | None = None
+    ) -> int | None:
+        """The newest committed step (at or below ``max_step``, and past ``above``) whose files are
+        all there, of the sizes its marker says: what a tier tells without reading them. For a
+        sharded state, whose files every process checks a share of (``verify_share``) instead of one
+        reading them all."""
+        return self._newest(max_step, trusted, self._present, above)
 
     def _newest(
-        self, max_step: int | None, trusted: Trusted, check: Callable[[_Marker], object]
+        self,
+        max_step: int | None,
+        trusted: Trusted,
+        check: Callable[[_Marker], object],
+        above: int | None = None,
     ) -> int | None:
-        """The newest candidate step that ``check`` does not find corrupt (warning of each it does)."""
+        """The newest candidate step past ``above`` that ``check`` does not find corrupt (warning of
+        each it does)."""
         for marker in self._candidates(max_step, trusted):
+            if above is not None and marker.step <= above:
+                return None
             try:
                 check(marker)
             except _Corrupt as exc:
