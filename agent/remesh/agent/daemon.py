@@ -758,6 +758,10 @@ class Agent:
                 pause = min(pause * 2, 0.5)
 
     async def ack_epoch(self, request: apb.LocalAckRequest) -> bool:
+        # The furthest of what the trainer says and what it last reported here (a trainer process
+        # started for this epoch knows nothing of the one before; its predecessor's reports do).
+        reached = max(request.reached_step, self.last_step)
+
         def ack(stub: pb_grpc.CoordinatorStub, incarnation: int) -> Awaitable[pb.AckEpochResponse]:
             return stub.AckEpoch(
                 pb.AckEpochRequest(
@@ -773,9 +777,6 @@ class Agent:
                 timeout=2,
             )
 
-        # The furthest of what the trainer says and what it last reported here (a trainer process
-        # started for this epoch knows nothing of the one before; its predecessor's reports do).
-        reached = max(request.reached_step, self.last_step)
         reply = await self._relay("AckEpoch", ack)
         self.metrics.restored(request.restore_source, request.phases.get("restore"), request.restored_bytes)
         self.last_progress = time.monotonic()

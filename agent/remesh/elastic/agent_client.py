@@ -260,7 +260,8 @@ class AgentClient:
         reached_step: int = -1,
     ) -> bool:
         """Acknowledge ``epoch`` to the coordinator (through the agent, which retries through a leader
-        change). ``reached_step``: the newest step this process completed before ``epoch``. Raises ``EpochSuperseded`` when the coordinator refuses (a newer epoch began) and
+        change). ``reached_step``: the newest step this process completed before ``epoch``. Raises
+        ``EpochSuperseded`` when the coordinator refuses (a newer epoch began) and
         ``AgentUnreachable`` when no answer came."""
         try:
             reply = self._stub.AckEpoch(

@@ -384,8 +384,9 @@ def report_fault(
         )
     if kind is FaultKind.STATE_LOST:
         # A member of the current epoch found no tier holding any step of the job: no member holds
-        # one in memory, and no committed checkpoint is readable. Starting from step 0 would silently throw the run away, and no
-        # other epoch can find more state than this one did: the job halts, saying why.
+        # one in memory, and no committed checkpoint is readable. Starting from step 0 would
+        # silently throw the run away, and no other epoch can find more state than this one did:
+        # the job halts, saying why.
         current = topology is not None and not topology.halted and epoch == topology.epoch and in_topology
         if not current:
             reason = f"state_lost for epoch {epoch} from {host_id}: not the current epoch, ignored"

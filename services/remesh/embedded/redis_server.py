@@ -84,18 +84,19 @@ class RedisServer:
         """Start it and wait until it answers. Where it exits at once on a port it picked itself, on
         its first start, it picks another (a few times); a port the caller gave, or a restart (whose
         URL clients hold), raises ``RedisExited`` instead."""
-        attempts = _PORT_ATTEMPTS if self._picked and not self._started else 1
-        for attempt in range(attempts):
+        retries = _PORT_ATTEMPTS - 1 if self._picked and not self._started else 0
+        while True:
             try:
                 self._start(timeout)
-                self._started = True
-                return self
             except RedisExited:
-                if attempt == attempts - 1:
+                if retries == 0:
                     raise
+                retries -= 1
                 log.debug("redis-server exited at once; trying another port", port=self.port)
                 self.port = free_port()
-        raise AssertionError("unreachable")  # pragma: no cover
+                continue
+            self._started = True
+            return self
 
     def _start(self, timeout: float) -> None:
         args = [
