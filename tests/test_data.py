@@ -89,12 +89,18 @@ def test_past_the_end_of_the_dataset_the_next_pass_is_another_permutation() -> N
 
 def test_reading_ahead_runs_on_grain_threads_and_stops_when_closed() -> None:
     """The batches after the one the loop asked for are read before it asks for them (on Grain's
-    threads), and close() ends those threads."""
-    read_at: dict[int, float] = {}
+    threads), the loop is then served what was read ahead, and close() ends those threads."""
+    reads: Counter[int] = Counter()
+    lock = threading.Lock()
 
     def record(i: int) -> np.int64:
-        read_at[int(i)] = time.monotonic()
+        with lock:
+            reads[int(i)] += 1
         return np.int64(i)
+
+    def read_ahead() -> set[int]:
+        with lock:
+            return set(reads)
 
     source = GrainData(
         grain.MapDataset.range(RECORDS).map(record),
@@ -103,14 +109,16 @@ def test_reading_ahead_runs_on_grain_threads_and_stops_when_closed() -> None:
     )
     before = threading.active_count()
     batches = source.host_batches(0, 50, slice(None))
-    next(batches)
+    assert list(next(batches)) == [0, 1, 2, 3]
+    # Grain's two threads may take the records in any order, so wait for all of steps 1 and 2.
+    ahead = set(range(4, 12))
     deadline = time.monotonic() + 10
-    while not {8, 9, 10, 11} <= read_at.keys() and time.monotonic() < deadline:
+    while not ahead <= read_ahead() and time.monotonic() < deadline:
         time.sleep(0.01)
-    asked = time.monotonic()
-    assert {8, 9, 10, 11} <= read_at.keys(), "step 2's records were not read ahead"
-    next(batches), next(batches)
-    assert all(read_at[i] < asked for i in range(4, 12))  # steps 1 and 2 were ready before asked for
+    assert ahead <= read_ahead(), f"steps 1 and 2 were not read ahead: {sorted(read_ahead())}"
+    assert [list(next(batches)), list(next(batches))] == [[4, 5, 6, 7], [8, 9, 10, 11]]
+    with lock:
+        assert all(reads[i] == 1 for i in range(12)), "a batch read ahead was read again when asked for"
     assert threading.active_count() > before
     batches.close()
     deadline = time.monotonic() + 5
