@@ -139,6 +139,42 @@ def test_restore_from_gcs_without_a_local_copy(gcs: FakeGcsServer, bucket: str, 
     assert_bitwise_equal(make_state(12), restored.state)
 
 
+def test_a_gcs_step_is_found_by_listing_and_read_once_when_restored(
+    gcs: FakeGcsServer, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replicated restore picks its tier with latest_present (sizes from one listing) and lets
+    restore_state download and check the step: each file is hashed once, not three times."""
+    from remesh.elastic.checkpoints import _base
+
+    writer = gcs_tier(gcs, bucket, tmp_path / "writer")
+    writer.save(3, 1, make_state(3))
+    writer.save(6, 1, make_state(6))
+    hashed: list[str] = []
+    digest_like = _base._digest_like
+
+    def counted(path: Path, digest: str) -> str:
+        hashed.append(path.name)
+        return digest_like(path, digest)
+
+    monkeypatch.setattr(_base, "_digest_like", counted)
+    reader = gcs_tier(gcs, bucket, tmp_path / "reader")
+    assert reader.latest_present() == 6
+    assert hashed == [] and not (tmp_path / "reader" / "restore").exists()  # nothing downloaded
+    assert_bitwise_equal(make_state(6), reader.restore_state(6, make_state(0)))
+    files = [f.rsplit("/", 1)[-1] for f in step_files(writer, 6) if not f.endswith("COMMITTED")]
+    assert files and sorted(hashed) == sorted(files)
+
+    # An object cut short is told by its listed size, still without a download.
+    blobs = {b.name: b for b in gcs.client().list_blobs(bucket, prefix="job/ckpt/step_0000000006/")}
+    victim = max((b for b in blobs.values() if "COMMITTED" not in b.name), key=lambda b: b.size)
+    victim.upload_from_string(victim.download_as_bytes()[:-4])
+    hashed.clear()
+    with capture_logs() as logs:
+        assert reader.latest_present() == 3
+    assert hashed == []
+    assert [e["step"] for e in warnings_about(logs, "corrupt")] == [6]
+
+
 # ---- incomplete and corrupt steps ----------------------------------------------------------------
 
 
