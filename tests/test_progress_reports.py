@@ -15,10 +15,13 @@ from concurrent import futures
 import grpc
 import pytest
 
+from remesh.agent.daemon import Agent
+from remesh.agent.settings import AgentSettings
 from remesh.elastic import Policy
 from remesh.elastic.agent_client import AgentClient, Assignment
 from remesh.v1 import agent_pb2 as apb
 from remesh.v1 import agent_pb2_grpc as apb_grpc
+from remesh.v1 import coordinator_pb2 as pb
 
 
 class RecordingAgent(apb_grpc.AgentLocalServicer):
@@ -113,3 +116,25 @@ def test_the_step_after_a_stall_report_is_reported_at_once(agent: tuple[Recordin
 def test_a_negative_progress_interval_is_refused() -> None:
     with pytest.raises(ValueError, match="progress_every_s"):
         Policy(progress_every_s=-1)
+
+
+def test_a_step_of_the_epoch_before_reported_after_the_new_one_came_is_no_step_of_it() -> None:
+    """A report waits up to ``progress_every_s``, a new epoch does not: a step of epoch 1 reported
+    after epoch 2 came must not count as the trainer's first step of epoch 2 (the hang clock would
+    then give its join, restore and compile the step limit, not the start-up one), and once the
+    trainer reported a step of epoch 2 a late report of epoch 1 changes nothing."""
+    agent = Agent(AgentSettings(coordinators=("127.0.0.1:1",), host_id="h", trainer_command=("x",)))
+    agent.topology = pb.Topology(epoch=1)
+    agent.report_progress(5, 1)
+    assert agent.stepped and agent.last_step == 5
+
+    # What a new epoch in which the host holds a rank does to the hang clock (Agent._on_topology).
+    agent.topology, agent.stepped = pb.Topology(epoch=2), False
+    agent.report_progress(7, 1)
+    assert not agent.stepped, "a late step of epoch 1 was counted as the first step of epoch 2"
+    assert agent.last_step == 7  # still the furthest the job got: the acknowledgement carries it
+
+    agent.report_progress(8, 2)
+    assert agent.stepped and agent.last_step == 8
+    agent.report_progress(6, 1)
+    assert agent.last_step == 8

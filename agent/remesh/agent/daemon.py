@@ -137,6 +137,8 @@ class Agent:
         # limit is the start-up timeout until it has.
         self.stepped = False
         self._stall_reported = False
+        # The newest epoch the trainer reported a step of: an older one's report arrives late.
+        self._reported_epoch = 0
         self.local_address = ""
         self.trainer: TrainerProcess | None = None
         self.warm: TrainerProcess | None = None
@@ -721,16 +723,23 @@ class Agent:
         self._trainer_runs(epoch)
         if totals is not None:
             self.metrics.trainer_totals(totals)
+        if epoch < self._reported_epoch:
+            # Sent before a report of a newer epoch (a report waits up to progress_every_s): stale.
+            return int(self.topology.epoch)
+        self._reported_epoch = epoch
         if step != self.last_step:
             self.last_progress = time.monotonic()
-            # The coordinator hears of a step with the next heartbeat; at once only of the trainer's
-            # first (its epoch runs) and of the first after a stall report (the coordinator counts
-            # the member blocked until it hears of a newer step). A heartbeat per step would multiply
-            # the fleet's heartbeat rate by its step rate.
-            if not self.stepped or self._stall_reported:
-                self._progress.set()
-            self.stepped = True
-            self._stall_reported = False
+            if epoch >= self.topology.epoch:
+                # The coordinator hears of a step with the next heartbeat; at once only of the
+                # trainer's first (its epoch runs) and of the first after a stall report (the
+                # coordinator counts the member blocked until it hears of a newer step). A heartbeat
+                # per step would multiply the fleet's heartbeat rate by its step rate.
+                if not self.stepped or self._stall_reported:
+                    self._progress.set()
+                self.stepped = True
+                self._stall_reported = False
+            # Else a step of the epoch before this one, reported after the new topology came: the
+            # trainer has yet to join the new epoch, and its start-up clock keeps running.
         self.last_step = step
         return int(self.topology.epoch)
 
@@ -781,6 +790,8 @@ class Agent:
         self.metrics.restored(request.restore_source, request.phases.get("restore"), request.restored_bytes)
         self.last_progress = time.monotonic()
         self._trainer_runs(request.epoch)
+        # The trainer runs this epoch now: a report of an older one that comes after is stale.
+        self._reported_epoch = max(self._reported_epoch, request.epoch)
         if request.restored_step >= 0:
             self.last_step = request.restored_step  # the trainer resumes from there
             self._progress.set()
