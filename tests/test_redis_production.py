@@ -226,3 +226,22 @@ def test_a_taken_port_moves_a_server_that_picked_it_and_fails_one_the_caller_gav
             assert redis.Redis(port=server.port).ping()
         with pytest.raises(RedisExited, match="is the port taken"), RedisServer(taken, appendonly=False):
             pass
+
+
+def test_a_port_another_redis_server_took_is_told_from_its_own_by_pid() -> None:
+    """The likeliest squatter is another test's redis-server, which answers PING itself: a server
+    that picked that port still moves (its URL must not lead to the other), and one given it fails."""
+    with RedisServer(appendonly=False) as other:
+        redis.Redis(port=other.port).set("owner", "other")
+        server = RedisServer(appendonly=False)
+        server.port = other.port  # as if it had picked this one and lost it
+        with server:
+            assert server.port != other.port
+            assert redis.Redis(port=server.port).get("owner") is None
+            assert server.process is not None and server.process.poll() is None
+        with (
+            pytest.raises(RedisExited, match="another redis-server"),
+            RedisServer(other.port, appendonly=False),
+        ):
+            pass
+        assert redis.Redis(port=other.port).get("owner") == b"other"

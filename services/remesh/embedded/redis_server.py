@@ -133,10 +133,24 @@ class RedisServer:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
                     s.sendall(b"PING\r\n")
-                    # +PONG, or -NOAUTH from a server that requires a password: either way it serves.
-                    if s.recv(16).startswith((b"+PONG", b"-NOAUTH")):
+                    answer = s.recv(16)
+                    # -NOAUTH: a server that requires a password (extra_args) serves; it tells
+                    # nothing more before a password.
+                    if answer.startswith(b"-NOAUTH"):
                         log.debug("redis started", port=self.port, binary=self.binary)
                         return
+                    if answer.startswith(b"+PONG"):
+                        pid = _server_pid(s)
+                        if pid == self.process.pid:
+                            log.debug("redis started", port=self.port, binary=self.binary)
+                            return
+                        # Another redis-server took the port between the pick and this one's bind
+                        # (tests in parallel): this one fails to bind and exits.
+                        self.stop()
+                        raise RedisExited(
+                            f"port {self.port} is served by another redis-server (pid {pid}): "
+                            "is the port taken? pick another one"
+                        )
             except OSError:
                 time.sleep(0.02)
         self.stop()
@@ -171,3 +185,27 @@ class RedisServer:
     def __del__(self) -> None:  # last resort: never leave a server behind
         if self.process is not None and self.process.poll() is None:
             os.kill(self.process.pid, signal.SIGKILL)
+
+
+def _server_pid(conn: socket.socket) -> int | None:
+    """The ``process_id`` of the redis-server answering on ``conn`` (``INFO server``)."""
+    conn.sendall(b"INFO server\r\n")
+    data = b""
+    while b"\r\n" not in data:
+        chunk = conn.recv(4096)
+        if not chunk:
+            return None
+        data += chunk
+    header, _, body = data.partition(b"\r\n")
+    if not header.startswith(b"$"):
+        return None
+    size = int(header[1:])
+    while len(body) < size:
+        chunk = conn.recv(4096)
+        if not chunk:
+            return None
+        body += chunk
+    for line in body.decode(errors="replace").splitlines():
+        if line.startswith("process_id:"):
+            return int(line.split(":", 1)[1])
+    return None
