@@ -98,6 +98,10 @@ def test_the_furthest_step_a_member_acknowledged_counts_where_the_topology_lagge
     # Without the acknowledgement, the topology's lagging figure is all there is.
     lagging[7] = ack(128.0, 2, "h0", 90, 1.0)
     assert compute(lagging, now=230.0, current_step=190).recoveries[0].steps_lost == 5
+    # A member that did not run epoch 1 (s0, a host added back that once got further in a timeline
+    # the job rolled back from) says nothing of how far epoch 1 got.
+    lagging[8] = ack(130.0, 2, "s0", 90, 2.0, reached=400)
+    assert compute(lagging, now=230.0, current_step=190).recoveries[0].steps_lost == 5
 
 
 def test_a_finished_job_ends_at_its_last_step_whatever_the_clock_says() -> None:

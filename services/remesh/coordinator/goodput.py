@@ -241,8 +241,9 @@ def compute(
         kept_until: int | None
         if successor is not None:
             # As the successor's topology recorded it, from the progress reports it had (at most
-            # one a second a member), or as its members said when they acknowledged it.
-            said = [_int(a.details.get("reached_step")) for a in successor.acks]
+            # one a second a member), or as its members said when they acknowledged it: only those
+            # that ran this epoch (a host added back says how far it got before it was left out).
+            said = [_int(a.details.get("reached_step")) for a in successor.acks if a.host_id in ep.hosts]
             reached = max((s for s in (successor.reached_before, *said) if s is not None), default=None)
             # What a later epoch kept: the step it restored (none live yet: the step it is to restore).
             kept_until = restored(following) if following is not None else successor.restore_step
