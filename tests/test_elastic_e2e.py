@@ -479,15 +479,21 @@ SPARSE_SNAPSHOTS = (
 )  # fmt: skip
 
 
-@pytest.mark.parametrize("damaged", [False, True], ids=["newer-checkpoint", "newer-checkpoint-damaged"])
+@pytest.mark.parametrize(
+    "damaged",
+    [False, True, "own-disks"],
+    ids=["newer-checkpoint", "newer-checkpoint-damaged", "on-rank-0s-disk"],
+)
 def test_a_checkpoint_newer_than_every_snapshot_is_restored_and_a_damaged_one_falls_back_to_memory(
-    tmp_path: Path, redis: RedisServer, clean_final: Path, damaged: bool
+    tmp_path: Path, redis: RedisServer, clean_final: Path, damaged: bool | str
 ) -> None:
     """Snapshots every 10 steps, checkpoints every 4: killed past step 12, the members hold step 10
     in memory and the coordinator accepted a commit of step 12 or later. They restore that
     checkpoint, not the older step they hold (which would replay more steps); where every commit newer
-    than step 10 is damaged, step 10 from memory, not an older checkpoint."""
-    ckpt = tmp_path / "ckpt"
+    than step 10 is damaged, or on rank 0's own disk only (each host a checkpoint directory of its
+    own), step 10 from memory, not an older checkpoint, and no process restarts over it."""
+    own_disks = damaged == "own-disks"
+    ckpt = tmp_path / "ckpt" / "host-0" if own_disks else tmp_path / "ckpt"
     damaged_steps: list[int] = []
 
     def damage(_: Cluster) -> None:
@@ -505,9 +511,13 @@ def test_a_checkpoint_newer_than_every_snapshot_is_restored_and_a_damaged_one_fa
         victim="host-1",
         # 0.3 s a step: from the first commit past step 10 to the snapshot of step 20 are 7 steps,
         # time enough for the kill to land between them.
-        trainer_args=(*SPARSE_SNAPSHOTS, "--checkpoint-dir", str(ckpt)),
+        trainer_args=(
+            *SPARSE_SNAPSHOTS,
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt" / "{host}") if own_disks else str(ckpt),
+        ),
         kill_when=lambda _: any(step > 10 for step in committed_steps(ckpt)),
-        before_kill=damage if damaged else None,
+        before_kill=damage if damaged is True else None,
     )
     try:
         epochs = {
@@ -519,11 +529,27 @@ def test_a_checkpoint_newer_than_every_snapshot_is_restored_and_a_damaged_one_fa
         acks = restored(cluster, 2)
         members = ("host-0", "spare-0", "host-2")
         if damaged:
-            assert damaged_steps and newest in damaged_steps
+            assert own_disks or (damaged_steps and newest in damaged_steps)
             # The survivors served step 10 from their snapshots; the spare fetched it from them.
             assert {s for s, _ in acks.values()} == {10}, acks
             assert all(t in ("memory", "host-shm") or "peer" in t for _, t in acks.values()), acks
-        else:
+        if own_disks:
+            # Rank 0 found the commits on its disk; host-2 and the spare did not, and said so.
+            said = [
+                line
+                for line in cluster.agents["host-0"].output().splitlines()
+                if "checkpoint not readable by every member" in line
+            ]
+            assert said, cluster.log_tails(20)
+            # (A survivor stuck in a step of epoch 1 may hand over to its warm standby: not this.)
+            restarts = [
+                line
+                for agent in cluster.agents.values()
+                for line in agent.output().splitlines()
+                if "exiting for the agent to restart us" in line and "chosen by rank 0" in line
+            ]
+            assert not restarts, restarts
+        elif not damaged:
             assert acks == {h: (newest, "local") for h in members}, acks
         said = [
             line

@@ -52,7 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=model.Config.n_layers)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--devices", type=int, default=int(os.environ.get("REMESH_DEVICE_COUNT", "2")))
-    p.add_argument("--checkpoint-dir", help="local Orbax checkpoints (per host)")
+    p.add_argument(
+        "--checkpoint-dir",
+        help="local Orbax checkpoints; '{host}' in it is this host's id (a directory of each host's own)",
+    )
     p.add_argument(
         "--checkpoint-format",
         choices=("orbax", "pieces"),
@@ -129,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.checkpoint_dir:
         stores.append(
             LocalCheckpoints(
-                args.checkpoint_dir,
+                args.checkpoint_dir.replace("{host}", os.environ.get("REMESH_HOST_ID", "host")),
                 max_to_keep=args.keep_checkpoints,
                 pieces=args.checkpoint_format == "pieces",
             )

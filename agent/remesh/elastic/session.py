@@ -1270,36 +1270,46 @@ class Session:
         trusted: Trusted = assignment.commits or None
         sharded = self._sharded(shardings)
         bound: int | None = None
+        template = self._template_leaves()
+        replicated: tuple[PyTree, CheckpointStore] | None = None
         for attempt in itertools.count():
             # Rank 0 chooses, so that every member loads the same step. A sharded state's files are
-            # checked by every member, a share each, before anyone restores: one that differs sends
-            # every member to the step before it.
-            # Past ``above`` only: a step the members hold is not read from storage.
+            # checked by every member, a share each, before anyone restores; a replicated state is
+            # read by each member from the first tier it reaches that holds it. One member that
+            # cannot sends every member to the step before it (past ``above`` only: a step the
+            # members hold is not read from storage, and is restored where none newer is readable).
             candidate, tier = (
-                self._newest_checkpoint(bound, trusted, read=not sharded, above=above)
+                self._newest_checkpoint(bound, trusted, above=above)
                 if assignment.rank == 0 and (bound is None or bound >= 0)
                 else (-1, -1)
             )
             chosen = self.runtime.allgather_int(
                 f"checkpoint-{attempt}", candidate, self.policy.init_timeout_s
             )[0]
-            if chosen < 0 or not sharded:
+            if chosen < 0:
                 break
-            tier = self.runtime.allgather_int(f"checkpoint-tier-{attempt}", tier, self.policy.init_timeout_s)[
-                0
-            ]
-            ok = self.checkpoints[tier].verify_share(chosen, assignment.rank, assignment.world_size, trusted)
+            if sharded:
+                tier = self.runtime.allgather_int(
+                    f"checkpoint-tier-{attempt}", tier, self.policy.init_timeout_s
+                )[0]
+                ok = self.checkpoints[tier].verify_share(
+                    chosen, assignment.rank, assignment.world_size, trusted
+                )
+            else:
+                replicated = self._read_replicated(chosen, template, trusted)
+                ok = replicated is not None
             verdicts = self.runtime.allgather_int(
                 f"checkpoint-verified-{attempt}", int(ok), self.policy.init_timeout_s
             )
             if all(verdicts):
                 break
             log.warning(
-                "checkpoint not whole: every member falls back to an earlier one",
+                "checkpoint not readable by every member: every member falls back to an earlier one",
                 step=chosen,
-                source=self.checkpoints[tier].name,
+                source=self.checkpoints[tier].name if sharded else "any tier",
                 found_by=[rank for rank, v in enumerate(verdicts) if not v],
             )
+            replicated = None
             bound = chosen - 1
         if chosen < 0:
             if above is not None:
@@ -1319,7 +1329,6 @@ class Session:
             tree_shardings = jax.tree_util.tree_unflatten(self._treedef, shardings)
             init = jax.jit(self._init_state, out_shardings=tree_shardings)()
             return jax.tree_util.tree_leaves(init), 0, "scratch", {}
-        template = self._template_leaves()
         if sharded:
             # A sharded state is in a tier every host reaches (the one rank 0 chose it from), its
             # files checked against the marker already, a share by each member.
@@ -1340,19 +1349,8 @@ class Session:
                 raise RestartProcess(f"checkpoint of step {chosen} chosen by rank 0: {exc}") from exc
             leaves = jax.tree_util.tree_leaves(tree)
         else:
-            # A replicated state: the first tier this host reaches whose files of the step are all
-            # there; restoring reads them against the marker (once), and one that differs here
-            # sends this host to the next tier.
-            for store in (s for s in self.checkpoints if s.latest_present(chosen, trusted) == chosen):
-                try:
-                    tree = store.restore_state(
-                        chosen, jax.tree_util.tree_unflatten(self._treedef, template), trusted
-                    )
-                except CheckpointError:
-                    continue
-                break
-            else:
-                raise RestartProcess(f"checkpoint of step {chosen} chosen by rank 0 is not readable here")
+            assert replicated is not None  # every member read the chosen step
+            tree, store = replicated
             self.snapshots.clear()
             self.buddies.clear()
             host = jax.tree_util.tree_leaves(tree)
@@ -1360,24 +1358,34 @@ class Session:
         nbytes = sum(int(x.nbytes) for x in first_replicas(leaves).values())
         return leaves, chosen, store.name, {store.name: nbytes}
 
+    def _read_replicated(
+        self, step: int, template: list[Any], trusted: Trusted
+    ) -> tuple[PyTree, CheckpointStore] | None:
+        """Committed step ``step`` of a replicated state from the first tier this host reaches whose
+        files of it are all there (restoring reads them against the marker, once); one that differs
+        here sends this host to the next tier. None where no tier it reaches holds a readable copy."""
+        structure = jax.tree_util.tree_unflatten(self._treedef, template)
+        for store in (s for s in self.checkpoints if s.latest_present(step, trusted) == step):
+            try:
+                return store.restore_state(step, structure, trusted), store
+            except CheckpointError as exc:
+                log.warning("checkpoint not readable here", step=step, source=store.name, error=str(exc))
+        return None
+
     @staticmethod
     def _sharded(shardings: Sequence[NamedSharding]) -> bool:
         return any(not s.is_fully_replicated for s in shardings)
 
     def _newest_checkpoint(
-        self, bound: int | None, trusted: Trusted, read: bool, above: int | None = None
+        self, bound: int | None, trusted: Trusted, above: int | None = None
     ) -> tuple[int, int]:
         """The newest checkpoint at or below ``bound`` (None: any) and past ``above`` whose commit the
-        coordinator accepted and whose files match its marker (``read``), or are all there (not
-        ``read``: the members check them, a share each), and the index of the tier holding it (-1,
-        -1: none)."""
+        coordinator accepted and whose files are all there at the sizes its marker says (the members
+        then read them against its digests: each its share of a sharded state, each the whole of a
+        replicated one), and the index of the tier holding it (-1, -1: none)."""
         best, tier = -1, -1
         for i, store in enumerate(self.checkpoints):
-            step = (
-                store.latest_viable(bound, trusted, above)
-                if read
-                else store.latest_present(bound, trusted, above)
-            )
+            step = store.latest_present(bound, trusted, above)
             if step is not None and step > best:
                 best, tier = step, i
         return best, tier
