@@ -123,10 +123,6 @@ class CheckpointStore(Protocol):
         self, step: int, epoch: int, state: PyTree, extra: Mapping[str, Any], approve: Approve | None = None
     ) -> None: ...
 
-    def latest_viable(
-        self, max_step: int | None = None, trusted: Trusted = None, above: int | None = None
-    ) -> int | None: ...
-
     def latest_present(
         self, max_step: int | None = None, trusted: Trusted = None, above: int | None = None
     ) -> int | None: ...
