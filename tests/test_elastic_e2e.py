@@ -396,6 +396,57 @@ def test_a_recovery_restored_from_gcs_checkpoints_is_bitwise_equal(
         cluster.close()
 
 
+def test_snapshots_an_earlier_run_of_the_job_left_on_a_host_are_not_restored(
+    tmp_path: Path, redis: RedisServer, clean_final: Path
+) -> None:
+    """A run of the job (another seed) is cut off while spare-0, a member by then, holds snapshots
+    in /dev/shm; the job is launched again under the same id on a fresh coordinator state. When
+    host-1 dies, spare-0 joins holding steps newer than any this run reached, of another timeline:
+    its trainer deleted them when it started (another agent wrote them), the members restore what
+    this run holds, and the result is the clean run's, bit for bit."""
+    job = new_job_id()
+    shm = Path("/dev/shm") / f"remesh-{job}-spare-0"
+
+    def spare_holds() -> list[int]:
+        return sorted(int(p.name.split("_")[1].split(".")[0]) for p in shm.glob("step_*.snap"))
+
+    earlier = Cluster(tmp_path / "earlier", redis.url.rsplit("/", 1)[0] + "/1", job)
+    try:
+        earlier.start_coordinator("--world-size", "3")
+        command = trainer(tmp_path / "earlier.npz", "--seed", "1")
+        for h in ("host-0", "host-1", "host-2"):
+            earlier.start_agent(h, trainer=command, env=ENV)
+        earlier.start_agent("spare-0", spare=True, trainer=command, env=ENV)
+        wait_for(
+            lambda: (m := earlier.members().get("host-1")) is not None and m.last_step >= 5, 120, "step 5"
+        )
+        earlier.agents["host-1"].kill()
+        wait_for(
+            lambda: any(s >= KILL_AT + 10 for s in spare_holds()), 120, "spare-0 to snapshot past step 25"
+        )
+    finally:
+        for proc in reversed(earlier.procs):  # cut off: what the trainers left in /dev/shm stays
+            proc.close()
+    stale = spare_holds()
+    assert max(stale) >= KILL_AT + 10 and not (tmp_path / "earlier.npz").exists(), stale
+
+    final, cluster = run_job(tmp_path / "again", redis.url, spares=1, victim="host-1", job=job)
+    try:
+        acks = restored(cluster, 2)
+        assert sorted(acks) == ["host-0", "host-2", "spare-0"]
+        (step,) = {s for s, _ in acks.values()}
+        assert step < max(stale), (step, stale)  # this run's own step, not the earlier run's
+        said = [
+            line
+            for line in cluster.agents["spare-0"].output().splitlines()
+            if "host-memory snapshots of an earlier agent deleted" in line
+        ]
+        assert said, cluster.log_tails(20)
+        assert_same_as_clean(final, clean_final)
+    finally:
+        cluster.close()
+
+
 def accepted_in(cluster: Cluster, epoch: int) -> set[int]:
     """The steps whose checkpoint commits the coordinator accepted in ``epoch``."""
     return {

@@ -26,7 +26,7 @@ from remesh.elastic.sharding import (
     plan_fetch,
     whole,
 )
-from remesh.elastic.snapshots import Snapshots
+from remesh.elastic.snapshots import Snapshots, claim, release
 
 
 def mesh_of(replica: int, fsdp: int) -> SimpleNamespace:
@@ -131,6 +131,29 @@ def test_snapshots_survive_the_process_in_shm_and_keep_a_pinned_step(tmp_path: P
     snaps.put(4, 7, pieces(4))
     assert snaps.held(2, 7) and not snaps.held(2, 8)
     assert snaps.held(3, 7) and snaps.held(4, 7)
+
+
+def test_snapshots_another_agent_left_are_deleted_and_its_own_kept(tmp_path: Path) -> None:
+    """A host's snapshot directory belongs to the agent process whose trainers wrote it: a trainer
+    of another agent (the job launched again under the same id) finds none of them; a restarted
+    trainer of the same agent finds all of them; and the job's end deletes the directory."""
+    shm = tmp_path / "remesh-job-host-0"
+    claim(shm, "earlier")
+    Snapshots(2, shm).put(30, 2, pieces(30))
+    Snapshots(2, shm / "buddy").put(30, 2, pieces(31))
+
+    claim(shm, "earlier")  # a trainer the same agent restarted
+    assert Snapshots(2, shm).get(30, SNAPSHOT_SHAPES) is not None
+
+    claim(shm, "this-run")
+    assert Snapshots(2, shm).steps() == [] and Snapshots(2, shm / "buddy").steps() == []
+    assert Snapshots(2, shm).get(30, SNAPSHOT_SHAPES) is None
+    Snapshots(2, shm).put(5, 1, pieces(5))
+    claim(shm, "this-run")  # its warm standby
+    assert Snapshots(2, shm).steps() == [5]
+
+    release(shm)
+    assert not shm.exists()
 
 
 def test_a_retired_snapshot_file_is_written_over_only_once_nothing_maps_it(tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ import random
 import shutil
 import tempfile
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
@@ -127,6 +128,9 @@ _FAULT_KINDS = {
 class Agent:
     def __init__(self, settings: AgentSettings) -> None:
         self.settings = settings
+        # This agent process's own id: its trainers keep host-memory snapshots under it, and drop
+        # those they find under another (remesh.elastic.snapshots.claim).
+        self.session_id = uuid.uuid4().hex
         self.log = log.bind(host=settings.host_id)
         self.incarnation = 0
         self.topology = pb.Topology(epoch=0, restore_step=-1)
@@ -544,7 +548,11 @@ class Agent:
             device_count=self.settings.device_count,
             commits=commits_of(topology.commits),
         ).to_env()
-        return {**assignment, Env.LOG_FORMAT: "json" if self.settings.log_json else "console"}
+        return {
+            **assignment,
+            Env.LOG_FORMAT: "json" if self.settings.log_json else "console",
+            Env.AGENT_SESSION: self.session_id,
+        }
 
     async def _spawn(self, topology: pb.Topology, rank: int, role: Role) -> TrainerProcess:
         self._slots += 1

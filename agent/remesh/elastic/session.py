@@ -21,6 +21,7 @@ Where that is impossible it exits with ``RESTART_EXIT_CODE`` and the agent start
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import itertools
 import json
@@ -88,7 +89,7 @@ from remesh.elastic.sharding import (
     plan_fetch,
     whole,
 )
-from remesh.elastic.snapshots import Snapshots
+from remesh.elastic.snapshots import Snapshots, claim, release
 from remesh.v1.contract import (
     ADDRESS_IN_USE_EXIT_CODE,
     COMPILATION_CACHE_ENV,
@@ -524,6 +525,10 @@ class Session:
             if self.policy.shm_dir
             else None
         )
+        owner = os.environ.get(Env.AGENT_SESSION)
+        if shm is not None and owner:
+            claim(shm, owner)
+        self._shm = shm
         self.snapshots = Snapshots(self.policy.own_snapshots_kept, shm)
         # The copies this process keeps of its buddy's own pieces: in memory and in /dev/shm like its
         # own snapshots, since a survivor's trainer is often restarted (stuck in a collective with
@@ -896,6 +901,7 @@ class Session:
         else:
             raise RestartProcess("the agent did not take the report that the job finished")
         log.info("job finished", step=step, epoch=assignment.epoch)
+        self._release_host_memory()
         try:
             self.runtime.leave_together(self.policy.init_timeout_s)
         except Exception as exc:  # the job is finished; a peer that left early changes nothing
@@ -998,6 +1004,19 @@ class Session:
         self.stats["snapshots"] += 1
         self.stats["snapshot_bytes"] += sum(int(p.nbytes) for p in pieces.values())
         self.stats["snapshot_s"] += time.monotonic() - t
+
+    def _release_host_memory(self) -> None:
+        """The job finished: nothing restores from host memory any more. Once the snapshots and
+        buddy copies still being written are done, this host's ``/dev/shm`` directory goes (tmpfs is
+        RAM, and would hold the job's last snapshots long after it)."""
+        for work in (self._snapshotting, self._copying):
+            while work:
+                with contextlib.suppress(Exception):  # a late snapshot or copy matters no more
+                    work.popleft().result()
+        self.snapshots.clear()
+        self.buddies.clear()
+        if self._shm is not None:
+            release(self._shm)
 
     def _wait_for_snapshots(self) -> None:
         while self._snapshotting:

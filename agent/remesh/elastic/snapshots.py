@@ -19,7 +19,9 @@ import collections
 import contextlib
 import json
 import os
+import shutil
 import threading
+import uuid
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,7 +33,7 @@ import structlog
 from remesh.elastic.exchange import Pieces, decode_key, encode_key
 from remesh.elastic.sharding import volume
 
-__all__ = ["Snapshot", "Snapshots", "fits", "read_pieces", "write_pieces"]
+__all__ = ["Snapshot", "Snapshots", "claim", "fits", "read_pieces", "release", "write_pieces"]
 
 log = structlog.get_logger("remesh.elastic")
 
@@ -41,6 +43,48 @@ _ALIGN = 64
 _HEADER_MAX = 64 << 20
 # Retired snapshot files kept to be written over.
 _SPARES = 2
+
+
+# In a host's snapshot directory: the agent process whose trainers wrote what it holds.
+_OWNER = "AGENT"
+
+
+def claim(directory: Path, owner: str) -> None:
+    """Make ``directory`` (a host's ``/dev/shm`` snapshots of one job) the snapshots of agent process
+    ``owner``'s trainers. What another agent's trainers left there was written before this agent
+    started (an earlier run of the same job id on this host, perhaps one rolled back since): it is
+    no state of this run, and would be offered as one; it is deleted. The active trainer and the
+    warm standby of one agent share what they find."""
+    directory.mkdir(parents=True, exist_ok=True)
+    marker = directory / _OWNER
+    try:
+        found: str | None = marker.read_text()
+    except FileNotFoundError:
+        found = None
+    if found == owner:
+        return
+    stale = [p for p in directory.iterdir() if p.name != _OWNER]
+    if stale:
+        log.info(
+            "host-memory snapshots of an earlier agent deleted",
+            directory=str(directory),
+            files=len(stale),
+            owner=found,
+        )
+    for path in stale:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    tmp = directory / f".{_OWNER}.{uuid.uuid4().hex}"
+    tmp.write_text(owner)
+    os.replace(tmp, marker)
+
+
+def release(directory: Path) -> None:
+    """Delete ``directory`` and every snapshot in it: the job finished, and nothing restores from
+    host memory any more (tmpfs is RAM: a host's snapshots would otherwise outlive the job)."""
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 class Snapshot:

@@ -73,6 +73,9 @@ class Env:
     # "json" when the agent logs JSON lines (its --log-json): the trainer should too, into the same
     # stream (remesh.elastic.configure_logging reads it); "console" otherwise.
     LOG_FORMAT = "REMESH_LOG_FORMAT"
+    # A fresh id for each agent process: host-memory state found under another one's was written
+    # before this agent started (an earlier run of the job on this host), never by this run.
+    AGENT_SESSION = "REMESH_AGENT_SESSION"
 
 
 @dataclass(frozen=True)
