@@ -1006,13 +1006,16 @@ class Session:
         self.stats["snapshot_s"] += time.monotonic() - t
 
     def _release_host_memory(self) -> None:
-        """The job finished: nothing restores from host memory any more. Once the snapshots and
-        buddy copies still being written are done, this host's ``/dev/shm`` directory goes (tmpfs is
-        RAM, and would hold the job's last snapshots long after it)."""
-        for work in (self._snapshotting, self._copying):
-            while work:
-                with contextlib.suppress(Exception):  # a late snapshot or copy matters no more
-                    work.popleft().result()
+        """The job finished: nothing restores from host memory any more, and this host's
+        ``/dev/shm`` directory goes (tmpfs is RAM, and would hold the job's last snapshots long after
+        it). Snapshots still being written (from this process's devices) are waited for; buddy
+        copies are not (they fetch from peers that may have left): one not begun is cancelled, and
+        one under way finds its directory gone and writes nothing."""
+        while self._snapshotting:
+            with contextlib.suppress(Exception):  # a late snapshot matters no more
+                self._snapshotting.popleft().result()
+        while self._copying:
+            self._copying.popleft().cancel()
         self.snapshots.clear()
         self.buddies.clear()
         if self._shm is not None:
