@@ -68,6 +68,17 @@ def agent() -> Iterator[tuple[RecordingAgent, str]]:
     server.stop(0)
 
 
+class CountingCondition(threading.Condition):
+    """A condition that counts how often a waiter woke."""
+
+    wakes = 0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        woke = super().wait(timeout)
+        self.wakes += 1
+        return woke
+
+
 def client(address: str, every: float) -> AgentClient:
     first = Assignment(epoch=1, host_id="host-0", rank=0, world_size=1, jax_coordinator="", restore_step=-1)
     return AgentClient(address, first, progress_every_s=every)
@@ -79,6 +90,7 @@ def test_a_fast_loop_sends_one_report_per_interval_and_the_newest_step(
     recording, address = agent
     every = 0.2
     trainer = client(address, every)
+    trainer._progress_due = counting = CountingCondition()  # before the reporter thread starts
     try:
         started = time.monotonic()
         for step in range(1, 201):  # a step every 2 ms: 100 steps per interval
@@ -94,6 +106,8 @@ def test_a_fast_loop_sends_one_report_per_interval_and_the_newest_step(
     assert len(steps) <= elapsed / every + 3, (len(steps), elapsed)
     assert len(steps) < 50
     assert steps == sorted(steps) and steps[-1] == 200
+    # Nor does each step wake the reporter: it wakes to send, not to look (200 steps).
+    assert counting.wakes < 50, counting.wakes
 
 
 def test_the_step_after_a_stall_report_is_reported_at_once(agent: tuple[RecordingAgent, str]) -> None:

@@ -210,8 +210,12 @@ class AgentClient:
         coordinator needs only the last step, and the totals are running totals (copied now: the
         caller goes on counting)."""
         with self._progress_due:
+            idle = self._progress is None
             self._progress = (step, epoch, dict(totals) if totals is not None else None)
-            self._progress_due.notify_all()
+            if idle or self._urgent:
+                # The reporter sleeps until there is a report, or until the interval is up with one
+                # pending (it sends the newest then): a step wakes it only where it must go now.
+                self._progress_due.notify_all()
             if self._reporter is None:
                 self._reporter = threading.Thread(target=self._report, name="remesh-progress", daemon=True)
                 self._reporter.start()
