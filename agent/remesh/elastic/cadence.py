@@ -100,13 +100,18 @@ class Cadence:
     def cost_s(self) -> float | None:
         """What one snapshot costs the loop, in seconds: how much longer the steps beside it take
         than the others (the medians), less what the medians' own noise could make of nothing (two
-        standard errors), times the steps beside each; None until both were seen. A cost the step
-        times cannot tell from noise is none: on a busy host a few milliseconds of noise would
-        otherwise space cheap snapshots ten steps apart, and every failure would replay them."""
+        standard errors), times the steps beside each; 0 where the steps beside are no slower.
+        None until both were seen, and where the step times cannot tell the difference (either way)
+        from their noise: unknown, so the cadence stays where it is. Counted as none, such a cost took K to its
+        least, where two steps in three run beside a snapshot, too few others remain to measure it
+        against, and K never grew again, however much the snapshots cost; counted as its upper
+        bound, a few milliseconds of noise would space cheap snapshots ten steps apart."""
         if len(self.beside) < 2 or len(self.quiet) < 2:
             return None
         per_step = statistics.median(self.beside) - statistics.median(self.quiet)
         noise = 2 * math.hypot(_median_error(self.beside), _median_error(self.quiet))
+        if abs(per_step) <= noise and noise > 0:
+            return None
         return max(0.0, per_step - noise) * 2  # two steps run beside each snapshot (beside_snapshot)
 
     def proposal(self) -> int:
