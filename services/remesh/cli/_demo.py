@@ -40,6 +40,13 @@ def _int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of steps") from None
 
 
+def _snapshot_every(text: str) -> str:
+    """The trainers' --snapshot-every, checked here: the demo's trainers would only fail on it later."""
+    if text == "auto" or (text.isdigit() and int(text) >= 1):
+        return text
+    raise argparse.ArgumentTypeError(f'{text!r} is not a number of steps (1 or more) or "auto"')
+
+
 def add_parser(sub: Any) -> None:
     # Here, not at the top: remesh.demo.runner imports remesh.cli (event_dict), which imports this module.
     from remesh.demo.runner import DemoConfig
@@ -77,6 +84,13 @@ def add_parser(sub: Any) -> None:
                    help="gs://BUCKET/PREFIX for checkpoints (env REMESH_GCS_URL); default: an embedded GCS emulator")  # fmt: skip
     p.add_argument("--port", type=int, default=0, help="the coordinator's gRPC port (default: any free one)")
     p.add_argument("--checkpoint-every", type=int, default=25, help="checkpoint every N steps (rank 0)")
+    p.add_argument(
+        "--snapshot-every",
+        type=_snapshot_every,
+        default="auto",
+        help='host-memory snapshots every N steps, or "auto" (the default: the interval follows what a '
+        "snapshot costs and the run's MTBF)",
+    )
     p.add_argument(
         "--d-model",
         type=int,
@@ -137,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
         redis_url=args.redis,
         gcs_url=args.gcs,
         checkpoint_every=args.checkpoint_every,
+        snapshot_every=args.snapshot_every,
         step_sleep=args.step_sleep,
         duration_s=args.duration,
         port=args.port,

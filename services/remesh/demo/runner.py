@@ -109,6 +109,9 @@ class DemoConfig:
     redis_url: str | None = None
     gcs_url: str | None = None  # gs://BUCKET/PREFIX on real GCS; None: an embedded emulator
     checkpoint_every: int = 25
+    # Host-memory snapshots every N steps, or "auto" (the trainer library's default: the interval
+    # follows what a snapshot costs and the run's MTBF).
+    snapshot_every: str = "auto"
     step_sleep: float = 0.05
     d_model: int = 64
     layers: int = 2
@@ -247,9 +250,9 @@ class DemoRun:
             "--metrics-dir", str(self.metrics_dir),
             "--gcs", self._gcs_url, "--checkpoint-every", str(c.checkpoint_every),
             "--sharding", c.sharding,  # a sharded state: every host writes its own shards to GCS
-            # The snapshot interval follows how often this run fails a host (--snapshot-every auto,
-            # the default): its MTBF, or about a minute for failures at given steps.
-            "--mtbf", str(c.schedule.mtbf_s or 60.0),
+            # With --snapshot-every auto (the default) the interval follows how often this run fails
+            # a host: its MTBF, or about a minute for failures at given steps.
+            "--snapshot-every", c.snapshot_every, "--mtbf", str(c.schedule.mtbf_s or 60.0),
         ]  # fmt: skip
 
     def _start_host(self, host_id: str, *, spare: bool = False) -> None:
@@ -562,6 +565,7 @@ class DemoRun:
             "target_step": c.steps if not c.duration_s else 0,
             "duration_s": c.duration_s,
             "checkpoint_every": c.checkpoint_every,
+            "snapshot_every": c.snapshot_every,
             "agent_exit_codes": getattr(self, "agent_exit_codes", {}),
             "checkpoints": self._gcs_url,
             "schedule": {
