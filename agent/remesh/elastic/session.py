@@ -528,7 +528,6 @@ class Session:
         owner = os.environ.get(Env.AGENT_SESSION)
         if shm is not None and owner:
             claim(shm, owner)
-        self._shm = shm
         self.snapshots = Snapshots(self.policy.own_snapshots_kept, shm)
         # The copies this process keeps of its buddy's own pieces: in memory and in /dev/shm like its
         # own snapshots, since a survivor's trainer is often restarted (stuck in a collective with
@@ -1018,8 +1017,8 @@ class Session:
             self._copying.popleft().cancel()
         self.snapshots.clear()
         self.buddies.clear()
-        if self._shm is not None:
-            release(self._shm)
+        if self.snapshots.directory is not None:  # the host's directory; the buddy copies' is in it
+            release(self.snapshots.directory)
 
     def _wait_for_snapshots(self) -> None:
         while self._snapshotting:
