@@ -151,7 +151,7 @@ def plain_run(tmp: Path, args: argparse.Namespace) -> tuple[dict[int, float], di
         # trainer (remesh.agent.supervisor): leading a session of its own, at --trainer-nice, which
         # is also given to the session. Linux shares CPU time between sessions before threads
         # (autogroup): two processes in one session share these 2 cores as one pool of threads, as
-        # no two hosts of a real job can, and ran 6-9% faster here than the same two in two sessions.
+        # no two hosts of a real job can, and ran 4-8% faster here than the same two in two sessions.
         own = args.plain_sessions == "own"
         if own and args.trainer_nice:
             cmd = ["nice", "-n", str(args.trainer_nice), *cmd]
