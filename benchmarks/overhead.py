@@ -19,7 +19,6 @@ and as its last line a JSON object with exactly overhead_ratio, state_mb and sna
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import socket
@@ -32,6 +31,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from remesh.agent.supervisor import nice_session, niced_and_bound
 from remesh.cli.logs import configure_logging
 from remesh.elastic import Policy
 from remesh.elastic.cadence import Cadence, parse_every
@@ -148,20 +148,20 @@ def plain_run(tmp: Path, args: argparse.Namespace) -> tuple[dict[int, float], di
         ]  # fmt: skip
         log = open(tmp / f"plain-{i}.log", "w")  # noqa: SIM115
         # --plain-sessions own (the default): each process is started as an agent starts its
-        # trainer (remesh.agent.supervisor): leading a session of its own, at --trainer-nice, which
-        # is also given to the session. Linux shares CPU time between sessions before threads
-        # (autogroup): two processes in one session share these 2 cores as one pool of threads, as
-        # no two hosts of a real job can, and ran 4-8% faster here than the same two in two sessions.
-        own = args.plain_sessions == "own"
-        if own and args.trainer_nice:
-            cmd = ["nice", "-n", str(args.trainer_nice), *cmd]
+        # trainer, by the agent's own code (remesh.agent.supervisor): leading a session of its own,
+        # at --trainer-nice, which is also given to the session, and killed with this process.
+        # Linux shares CPU time between sessions before threads (autogroup): two processes in one
+        # session share these 2 cores as one pool of threads, as no two hosts of a real job can,
+        # and ran 4-8% faster here than the same two in two sessions.
+        own = False
+        if args.plain_sessions == "own":
+            cmd, own = niced_and_bound(cmd, args.trainer_nice)
         proc = subprocess.Popen(
             cmd, env={**os.environ, **ENV}, stdout=log, stderr=subprocess.STDOUT, start_new_session=own
         )
         procs.append(proc)
         if own and args.trainer_nice:
-            with contextlib.suppress(OSError):  # no autogroup here: the threads' niceness still holds
-                Path(f"/proc/{proc.pid}/autogroup").write_text(str(args.trainer_nice))
+            nice_session(proc.pid, args.trainer_nice)
     try:
         deadline = time.monotonic() + args.run_timeout
         while any(proc.poll() is None for proc in procs):

@@ -31,12 +31,12 @@ import structlog
 
 from remesh.agent.core import TrainerExit
 
-__all__ = ["Role", "Run", "TrainerProcess"]
+__all__ = ["Role", "Run", "TrainerProcess", "nice_session", "niced_and_bound"]
 
 log = structlog.get_logger("remesh.agent")
 
 
-def _bound_to_parent(command: Sequence[str], nice: int = 0) -> tuple[list[str], bool]:
+def niced_and_bound(command: Sequence[str], nice: int = 0) -> tuple[list[str], bool]:
     """The command line that runs ``command`` niced and bound to this process's life, and whether
     it is so bound (only then may it leave this process's session: nothing else would stop it)."""
     # ``nice`` execs the command (same pid): every thread the trainer starts inherits the priority.
@@ -48,7 +48,7 @@ def _bound_to_parent(command: Sequence[str], nice: int = 0) -> tuple[list[str], 
     return command, False
 
 
-def _nice_session(pid: int, nice: int) -> None:
+def nice_session(pid: int, nice: int) -> None:
     """Give the session led by ``pid`` the niceness ``nice`` where the kernel groups CPU time by
     session (sched(7), "The autogroup feature"); a no-op where it does not."""
     with contextlib.suppress(OSError):
@@ -104,12 +104,12 @@ class TrainerProcess:
 
     async def start(self) -> None:
         self.started_at = time.monotonic()
-        command, bound = _bound_to_parent(self.command, self.nice)
+        command, bound = niced_and_bound(self.command, self.nice)
         self.process = await asyncio.create_subprocess_exec(
             *command, env={**os.environ, **self.env}, start_new_session=bound
         )
         if bound and self.nice:
-            _nice_session(self.process.pid, self.nice)
+            nice_session(self.process.pid, self.nice)
         log.info("trainer started", pid=self.process.pid, epoch=self.epoch, command=" ".join(self.command))
 
     @property
