@@ -184,7 +184,11 @@ def test_a_loop_of_the_users_own_loses_rank_0_whose_buddy_copies_are_slower_than
     host-2 copied is one every survivor still holds, the spare takes rank 0's shards from that copy,
     and the run ends on the state of the clean run of train_elastic (Session.run), bit for bit: the
     same model, data and steps. (With copies skipped while the one before was on its way, or own
-    snapshots kept for only 3 steps, no step was held whole at 256 MB: the job halted.)"""
+    snapshots kept for only 3 steps, no step was held whole at 256 MB: the job halted.)
+
+    host-1 compiles every epoch's step 3 s later than its peers, longer than a collective waits (2 s):
+    its peers wait for it at ``epoch.jit``'s meeting, not in the step's first collective, and no
+    trainer reports a fault before host-0 is killed. (With ``jax.jit`` every first step failed.)"""
     final = tmp_path / "final.npz"
     command = [
         sys.executable, "-m", "examples.tinylm.train_own_loop", "--steps", str(STEPS),
@@ -198,11 +202,21 @@ def test_a_loop_of_the_users_own_loses_rank_0_whose_buddy_copies_are_slower_than
         spares=1,
         victim="host-0",
         command=command,
-        host_env={"host-2": {"REMESH_FAULT_BUDDY_COPY_DELAY_S": "1.0"}},
+        host_env={
+            "host-1": {"REMESH_FAULT_COMPILE_DELAY_S": "3.0"},
+            "host-2": {"REMESH_FAULT_BUDDY_COPY_DELAY_S": "1.0"},
+        },
     )
     try:
         after = cluster.topology()
         assert after.epoch == 2 and [m.host_id for m in after.members] == ["spare-0", "host-1", "host-2"]
+        events = cluster.events()
+        dead = next(i for i, e in enumerate(events) if e.type == pb.EVENT_TYPE_MEMBER_DEAD)
+        assert events[dead].host_id == "host-0"
+        early = [e.reason for e in events[:dead] if e.type == pb.EVENT_TYPE_FAULT_REPORTED]
+        assert early == [], f"faults before host-0 was killed: {early}"
+        host1 = "".join(p.read_text(errors="replace") for p in cluster.tmp.glob("agent-host-1-*.log"))
+        assert host1.count("step compiled; every member has") >= 2  # in epochs 1 and 2
         tiers = acks(cluster, 2)
         assert tiers["spare-0"].get("buddy", 0) > 0 and set(tiers["spare-0"]) <= {"buddy", "peer"}, tiers
         told = "".join(p.read_text(errors="replace") for p in cluster.tmp.glob("agent-host-2-*.log"))

@@ -8,7 +8,9 @@ no ``jax.distributed.initialize`` and no mesh of your own (each epoch brings its
 shardings and the state restored onto them), the loop sits inside ``for epoch in
 session.epochs(...)`` / ``with epoch:``, each host reads only its own rows of each step's batch of
 the same Grain records (``epoch.data``, from the restored step on) and feeds them through
-``epoch.batch``, and ``epoch.done(state, metrics)`` takes each new state back.
+``epoch.batch``, the step is jitted with ``epoch.jit`` (``jax.jit`` whose first call waits, once
+compiled, for every member: no host enters the step's first collective while another still
+compiles), and ``epoch.done(state, metrics)`` takes each new state back.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import json
 import os
 import time
 
-import jax
 import numpy as np
 
 from examples.tinylm import data, model
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     out = open(args.metrics, "a", buffering=1) if args.metrics else None  # noqa: SIM115
     for epoch in session.epochs(args.steps):
         with epoch:
-            step_fn = jax.jit(
+            step_fn = epoch.jit(  # jax.jit, whose first call meets every member once compiled
                 functools.partial(model.train_step, config=config),
                 in_shardings=(epoch.shardings, epoch.batch_sharding),
                 out_shardings=(epoch.shardings, epoch.replicated),

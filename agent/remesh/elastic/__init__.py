@@ -11,6 +11,7 @@ or, keeping your own loop (``Session.epochs``; ``train_step`` and ``batch_for_st
 
     for epoch in session.epochs(num_steps):
         with epoch:                      # a failure ends the epoch; the next one is re-meshed
+            step_fn = epoch.jit(train_step)  # jax.jit, meeting every member once compiled
             state = epoch.state          # restored onto this epoch's mesh
             for step in epoch.steps():
                 state, metrics = step_fn(state, epoch.batch(my_rows(step)))

@@ -336,6 +336,8 @@ class Epoch:
         self._pending: tuple[int, Mapping[str, jax.Array], jax.Array, float] | None = None
         # The input this epoch reads (``data``), kept in step with the steps handed back.
         self._batches: HostBatches | None = None
+        # Functions made by ``jit`` so far: each one's meeting has its own name.
+        self._jitted = 0
 
     @property
     def rank(self) -> int:
@@ -388,6 +390,45 @@ class Epoch:
             world_size=self.world_size,
         )
         return self._batches
+
+    def jit(self, fun: Callable[..., Any], /, **jit_kwargs: Any) -> Callable[..., Any]:
+        """``jax.jit(fun, **jit_kwargs)`` for this epoch, with one difference: its first call compiles
+        ahead of running (``lower``, ``compile``) and then waits for every member of the epoch, so that
+        no member enters the step's first collective while another is still compiling.
+
+        On CPU a collective gives up after the policy's ``collective_timeout_s`` (2 s by default: a
+        dead peer is noticed that soon), and hosts compile the same step at different speeds (a busy
+        host, a cold compilation cache): with plain ``jax.jit`` the first step of an epoch fails
+        whenever one member compiles that much later than another. Later calls are ``jax.jit``'s own;
+        a call with new shapes compiles there as ``jax.jit`` does, without a meeting.
+        """
+        self._jitted += 1
+        return _MeetsOnFirstCall(self, jax.jit(fun, **jit_kwargs), f"compiled-{self._jitted}")
+
+    def _compile_and_meet(
+        self, jitted: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """Compile ``jitted`` for ``args`` and wait for every member to have compiled it too."""
+        s = self._session
+        # Compiling is not a step blocked on its peers: nothing to report as a stall.
+        s._blocking(self.epoch, s.policy.stuck_join_exit_s, "joining")
+        t = time.monotonic()
+        if s._compile_delay_s:
+            time.sleep(s._compile_delay_s)
+        jitted.lower(*args, **kwargs).compile()
+        compiled = time.monotonic()
+        s.runtime.barrier(name, s.policy.init_timeout_s)
+        waited = time.monotonic() - compiled
+        # Phases of the epoch's acknowledgement: the first step's compile is part of the recovery.
+        self._phases["compile"] = self._phases.get("compile", 0.0) + compiled - t
+        self._phases["compile_wait"] = self._phases.get("compile_wait", 0.0) + waited
+        log.info(
+            "step compiled; every member has",
+            name=name,
+            seconds=round(compiled - t, 3),
+            waited=round(waited, 3),
+        )
+        s._blocking(self.epoch, s.policy.stuck_step_exit_s, "step")
 
     def steps(self) -> Iterator[int]:
         """The steps left to train in this epoch, each the number of steps done before it. Raises
@@ -492,6 +533,25 @@ class Epoch:
         return False
 
 
+class _MeetsOnFirstCall:
+    """A jitted function (``Epoch.jit``) whose first call compiles it and meets every member of the
+    epoch before running it; its other attributes (``lower``, ``trace``, ...) are the function's."""
+
+    def __init__(self, epoch: Epoch, jitted: Any, name: str) -> None:
+        self._epoch: Epoch | None = epoch
+        self._jitted = jitted
+        self._name = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._epoch is not None:
+            self._epoch._compile_and_meet(self._jitted, self._name, args, kwargs)
+            self._epoch = None
+        return self._jitted(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._jitted, name)
+
+
 class Session:
     def __init__(
         self,
@@ -553,6 +613,9 @@ class Session:
         # slow network.
         self._told_slow_copies = False
         self._copy_delay_s = float(os.environ.get("REMESH_FAULT_BUDDY_COPY_DELAY_S", "0") or 0)
+        # ... and compiling a step of the user's loop (``Epoch.jit``) first sleeps this long, as on a
+        # slower or busier host.
+        self._compile_delay_s = float(os.environ.get("REMESH_FAULT_COMPILE_DELAY_S", "0") or 0)
         self._treedef: Any = None
         self._template: list[jax.ShapeDtypeStruct] | None = None
         self._last_pieces: Pieces = {}
@@ -646,7 +709,7 @@ class Session:
 
             for epoch in session.epochs(num_steps):
                 with epoch:
-                    step_fn = jax.jit(train_step, out_shardings=(epoch.shardings, None))
+                    step_fn = epoch.jit(train_step, out_shardings=(epoch.shardings, None))
                     state = epoch.state
                     for step in epoch.steps():
                         state, metrics = step_fn(state, epoch.batch(my_rows(step)))
