@@ -7,7 +7,10 @@ agents, the Session loop with snapshots, buddy copies, progress reports and chec
 
 Both jobs are --hosts processes of 2 virtual CPU devices each, FSDP over all of them, each process
 started as an agent starts its trainer: in a session of its own, at --trainer-nice (--plain-sessions
-shared puts the plain run's both in this command's session, at its niceness). A step's time
+shared puts the plain run's both in this command's session, at its niceness). With
+--plain-checkpoints the plain loop checkpoints too, every --checkpoint-every steps, the way an Orbax
+user's loop does (CheckpointManager, asynchronous saves): the ratio is then what remesh costs beyond
+the checkpoints a job writes anyway. A step's time
 is the interval between consecutive steps completed on process 0 (both loops read a step's loss
 once the next step is dispatched); the first --warmup steps of every run (compiling) are left out.
 Prints a table, a line "all figures: {JSON}" with overhead_ratio (remesh / plain, of the median
@@ -136,7 +139,8 @@ def free_port() -> int:
 
 def plain_run(tmp: Path, args: argparse.Namespace) -> tuple[dict[int, float], dict[str, float]]:
     """Step times of a plain run, and the cores its trainers used while they were timed."""
-    metrics = tmp / f"plain-{uuid.uuid4().hex[:6]}.jsonl"
+    run = uuid.uuid4().hex[:6]
+    metrics, ckpt = tmp / f"plain-{run}.jsonl", tmp / f"plain-{run}-ckpt"
     watch = CpuWatch()
     address = f"127.0.0.1:{free_port()}"
     procs = []
@@ -146,6 +150,8 @@ def plain_run(tmp: Path, args: argparse.Namespace) -> tuple[dict[int, float], di
             "--processes", str(args.hosts), "--process-id", str(i), "--coordinator", address,
             "--metrics", str(metrics),
         ]  # fmt: skip
+        if args.plain_checkpoints:  # as an Orbax user checkpoints: CheckpointManager, async saves
+            cmd += ["--checkpoint-dir", str(ckpt), "--checkpoint-every", str(args.checkpoint_every)]
         log = open(tmp / f"plain-{i}.log", "w")  # noqa: SIM115
         # --plain-sessions own (the default): each process is started as an agent starts its
         # trainer, by the agent's own code (remesh.agent.supervisor): leading a session of its own,
@@ -318,6 +324,13 @@ def main() -> int:
         "one machine: see the README)",
     )
     parser.add_argument(
+        "--plain-checkpoints",
+        action="store_true",
+        help="the plain run checkpoints too, every --checkpoint-every steps, as an Orbax user's loop "
+        "does (CheckpointManager, asynchronous saves): the ratio is then what remesh costs beyond the "
+        "checkpoints a job writes anyway",
+    )
+    parser.add_argument(
         "--preset",
         choices=("local", "production"),
         default="local",
@@ -328,6 +341,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.steps <= args.warmup + 1:
         parser.error("--steps must exceed --warmup + 1")
+    if args.plain_checkpoints and not args.checkpoint_every:
+        parser.error("--plain-checkpoints checkpoints every --checkpoint-every steps: give it above 0")
     if args.loop == "own" and args.checkpoint_every:
         parser.error("train_own_loop writes no checkpoints: give --checkpoint-every 0 with --loop own")
     args.layers, args.seq_len, args.batch = 2, 8, 24
@@ -438,6 +453,7 @@ def main() -> int:
         "hosts": args.hosts,
         "preset": args.preset,
         "plain_sessions": args.plain_sessions,
+        "plain_checkpoints": args.plain_checkpoints,
         "rounds": args.rounds,
         "steps_per_run": args.steps,
         "cores_while_timed": {"plain_trainers": round(cpu_plain, 3)}

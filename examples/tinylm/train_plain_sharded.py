@@ -8,7 +8,9 @@ Start one process per host (here: per local process), each with ``--devices`` vi
 
 The loop is the one a JAX user writes: dispatch a step, then read the previous step's loss (so the
 devices never wait for the host). Process 0 appends ``{"t", "step", "loss"}`` per step to
-``--metrics`` when given.
+``--metrics`` when given. With ``--checkpoint-dir`` it also checkpoints as an Orbax user does:
+``orbax.checkpoint.CheckpointManager``, asynchronous saves every ``--checkpoint-every`` steps, the
+last 3 kept.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=model.Config.n_layers)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--metrics", help="process 0 appends one JSON line per step here")
+    p.add_argument("--checkpoint-dir", help="checkpoint here with Orbax's CheckpointManager (asynchronous)")
+    p.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
     args = p.parse_args(argv)
 
     os.environ["XLA_FLAGS"] = (
@@ -83,10 +87,19 @@ def main(argv: list[str] | None = None) -> int:
         mine = whole[args.process_id * per : (args.process_id + 1) * per]
         return jax.make_array_from_process_local_data(rows, mine, whole.shape)
 
+    manager = None
+    if args.checkpoint_dir:
+        import orbax.checkpoint as ocp
+
+        options = ocp.CheckpointManagerOptions(max_to_keep=3, enable_async_checkpointing=True)
+        manager = ocp.CheckpointManager(os.path.abspath(args.checkpoint_dir), options=options)
+
     out = open(args.metrics, "a", buffering=1) if args.metrics and args.process_id == 0 else None  # noqa: SIM115
     previous: tuple[int, Any] | None = None
     for step in range(1, args.steps + 1):
         state, metrics = step_fn(state, batch(step - 1))
+        if manager is not None and step % args.checkpoint_every == 0:
+            manager.save(step, args=ocp.args.StandardSave(state))
         if previous is not None:
             done, loss = previous[0], float(np.asarray(previous[1]["loss"].addressable_shards[0].data))
             if out is not None:
@@ -99,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         out.write(
             json.dumps({"t": round(time.time(), 4), "step": previous[0], "loss": round(loss, 5)}) + "\n"
         )
+    if manager is not None:
+        manager.wait_until_finished()
+        manager.close()
     if args.processes > 1:
         jax.distributed.shutdown()
     return 0
