@@ -231,8 +231,11 @@ def test_a_paused_rank_0_never_commits_for_its_old_epoch(cluster: Cluster) -> No
     each time it is declared dead and replaced, and whatever its old trainer does after SIGCONT, no
     marker it writes counts unless the coordinator accepted it for the epoch that was current."""
     ckpt = cluster.tmp / "ckpt"
+    # Every pause comes as soon as the epoch before is live: all three land before step ~15 (step 7
+    # in a run on this machine), and the steps after the last one only end the job.
     start_job(
-        cluster, tinylm(200, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--step-sleep", "0.05")
+        cluster,
+        tinylm(60, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--step-sleep", "0.05"),
     )
     epoch = wait_live(cluster, 0)
     paused = []
@@ -256,7 +259,7 @@ def test_a_member_that_joined_a_doomed_epoch_moves_on_in_process(cluster: Cluste
     """host-1 dies; the spare takes its rank in epoch 2; host-2 dies right after epoch 2 was planned.
     The members waiting for it move to epoch 3 in the same process: no trainer restarts (exit 75),
     epoch 2 never goes live, and the job still ends cleanly."""
-    start_job(cluster, tinylm(100, "--step-sleep", "0.05"))
+    start_job(cluster, tinylm(60, "--step-sleep", "0.05"))
     wait_live(cluster, 0)
     wait_for(lambda: cluster.members()["host-1"].last_step >= 20, 120, "step 20")
     cluster.agents["host-1"].signal_group(signal.SIGKILL)
@@ -289,7 +292,7 @@ def test_a_frozen_trainer_is_replaced_and_no_healthy_host_is_blamed(cluster: Clu
     collectives time out, and the peers' own aborts are not charged to their hosts."""
     import os
 
-    start_job(cluster, tinylm(100, "--step-sleep", "0.05"))
+    start_job(cluster, tinylm(60, "--step-sleep", "0.05"))
     wait_live(cluster, 0)
     wait_for(lambda: cluster.members()["host-1"].last_step >= 15, 120, "step 15")
     frozen = trainer_pid(cluster.agents["host-1"].output())
