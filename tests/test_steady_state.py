@@ -120,3 +120,33 @@ def test_the_compilation_cache_is_where_the_environment_says(
     monkeypatch.setenv(COMPILATION_CACHE_ENV, str(tmp_path / "cache"))
     assert Policy().compilation_cache_dir == str(tmp_path / "cache")
     assert Policy(compilation_cache_dir=None).compilation_cache_dir is None  # off, whatever it says
+
+
+def test_epoch_jit_meets_the_members_before_its_first_call_runs_and_never_again() -> None:
+    """``Epoch.jit``'s function compiles and meets the epoch's members (``Epoch._compile_and_meet``,
+    recorded here in its place) before its first call runs, once: later calls are ``jax.jit``'s,
+    the first call runs what the meeting compiled (traced once), and its other attributes are the
+    jitted function's."""
+    import jax
+    import jax.numpy as jnp
+
+    from remesh.elastic.session import _MeetsOnFirstCall
+
+    seen: list[tuple[object, ...]] = []
+
+    class Meeting:
+        def _compile_and_meet(
+            self, jitted: object, name: str, args: tuple[object, ...], kwargs: dict
+        ) -> None:
+            jitted.lower(*args, **kwargs).compile()  # type: ignore[attr-defined]
+            seen.append(("met", name))
+
+    def step(x: jax.Array) -> jax.Array:
+        seen.append(("traced",))
+        return x + 1
+
+    f = _MeetsOnFirstCall(Meeting(), jax.jit(step), "compiled-1")  # type: ignore[arg-type]
+    assert int(f(jnp.int32(1))) == 2
+    assert int(f(jnp.int32(2))) == 3
+    assert seen == [("traced",), ("met", "compiled-1")]
+    assert f.lower(jnp.int32(5)).compile()(jnp.int32(5)) == 6
