@@ -4,6 +4,7 @@ agents, the Session loop with snapshots, buddy copies, progress reports and chec
 --checkpoint-every steps), in alternating rounds of one run.
 
     python benchmarks/overhead.py [--state-mb 256] [--steps N] [--rounds R] [--snapshot-every K]
+        [--checkpoint-every M] [--plain-sessions own|shared] [--plain-checkpoints]
 
 Both jobs are --hosts processes of 2 virtual CPU devices each, FSDP over all of them, each process
 started as an agent starts its trainer: in a session of its own, at --trainer-nice (--plain-sessions
