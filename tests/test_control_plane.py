@@ -12,13 +12,14 @@ import signal
 import threading
 import time
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 
+from remesh.coordinator.membership import FaultKind
 from remesh.coordinator.model import ClusterState, Event, EventType, Member, replay
 from remesh.coordinator.model import Role as MemberRole
 from remesh.coordinator.service import Coordinator
@@ -627,6 +628,89 @@ def test_a_registration_whose_caller_went_away_before_its_commit_is_not_stored(
     members, events = asyncio.run(scenario())
     assert members == {"stays"}
     assert [e.host_id for e in events if e.type is EventType.MEMBER_JOINED] == ["stays"]
+
+
+async def keep_beating(coordinator: Coordinator, members: list[Member], seconds: float) -> None:
+    """Heartbeat for ``members`` every 0.1 s for ``seconds``, as their agents would."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for member in members:
+            await coordinator.heartbeat(member.host_id, member.incarnation, 7)
+        await asyncio.sleep(0.1)
+
+
+def test_a_collective_every_member_says_failed_forms_the_same_members_again_at_once(
+    redis_server: RedisServer, job_id: str
+) -> None:
+    """No member is lost, but every member's trainer said a collective of the epoch failed (a network
+    failure between healthy hosts): the same members form the next epoch at once, nobody is
+    declared dead, and the stored log says why."""
+
+    async def scenario() -> tuple[int, int, float, list[Event]]:
+        async with two_members_in_a_live_epoch(redis_server, job_id) as (coordinator, a, b, epoch):
+            t0 = time.monotonic()
+            for member in (a, b):
+                outcome = await coordinator.report_fault(
+                    member.host_id, member.incarnation, FaultKind.COLLECTIVE_FAILED, epoch, 0, "timed out"
+                )
+                assert not outcome.member_dead
+            await wait_async(lambda: coordinator.state.epoch > epoch, 5.0)
+            took = time.monotonic() - t0
+            return epoch, coordinator.state.epoch, took, await read_events(redis_server, job_id)
+
+    epoch, new_epoch, took, events = asyncio.run(scenario())
+    assert new_epoch == epoch + 1
+    assert took < PlannerSettings().reform_after_s  # not the wait for a lost member
+    assert not [e for e in events if e.type is EventType.MEMBER_DEAD]
+    changed = [e for e in events if e.type is EventType.TOPOLOGY_CHANGED]
+    assert changed[-1].topology is not None and changed[-1].topology.host_ids == ("host-a", "host-b")
+    assert changed[-1].details["decision"] == "reform"
+    assert "every member said a collective" in changed[-1].reason
+
+
+def test_a_collective_one_member_says_failed_waits_out_the_detection_window_then_reforms(
+    redis_server: RedisServer, job_id: str
+) -> None:
+    """Only host-a said so (host-b's trainer may have stopped: its verdict would come within the
+    window): the epoch stands for ``reform_after_s``, then, nobody lost, the same members form the
+    next; host-a's trainer exiting meanwhile is collateral, not its host's fault."""
+
+    async def scenario() -> tuple[int, list[tuple[float, int]], bool]:
+        async with two_members_in_a_live_epoch(redis_server, job_id) as (coordinator, a, b, epoch):
+            before = time.monotonic()  # the coordinator's clock starts the window after this
+            await coordinator.report_fault(
+                "host-a", a.incarnation, FaultKind.COLLECTIVE_FAILED, epoch, 0, "timed out"
+            )
+            exited = await coordinator.report_fault(
+                "host-a", a.incarnation, FaultKind.TRAINER_EXITED, epoch, -6, "aborted"
+            )
+            seen: list[tuple[float, int]] = []
+            while coordinator.state.epoch == epoch and time.monotonic() - before < 10:
+                await keep_beating(coordinator, [a, b], 0.2)
+                seen.append((time.monotonic() - before, coordinator.state.epoch))
+            return epoch, seen, exited.member_dead
+
+    epoch, seen, dead = asyncio.run(scenario())
+    window = PlannerSettings().reform_after_s
+    assert [e for t, e in seen if t < window] == [epoch] * len([t for t, _ in seen if t < window])
+    assert len([t for t, _ in seen if t < window]) >= 3  # it was looked at inside the window
+    assert seen[-1][1] == epoch + 1 and seen[-1][0] >= window
+    assert not dead
+
+
+async def wait_async(condition: Callable[[], bool], within_s: float) -> None:
+    end = time.monotonic() + within_s
+    while not condition():
+        assert time.monotonic() < end, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def read_events(redis_server: RedisServer, job_id: str) -> list[Event]:
+    store = RedisStore(redis_server.url, job_id)
+    try:
+        return await store.read_events()
+    finally:
+        await store.close()
 
 
 def stored_steps(cluster: Cluster) -> dict[str, int]:

@@ -512,6 +512,42 @@ def test_address_in_use_from_another_member_or_epoch_is_ignored(host: str, epoch
     assert replay(out.events, state).address_refused_epoch == 0
 
 
+def collective_failed(state: ClusterState, host: str = "a1", epoch: int = 3) -> membership.FaultOutcome:
+    return membership.report_fault(
+        NOW, state, host, 1, FaultKind.COLLECTIVE_FAILED, epoch, 0, "Gloo AllReduce timed out"
+    )
+
+
+def test_a_failed_collective_is_an_observation_for_the_planner_that_blames_nobody() -> None:
+    out = collective_failed(job())
+    assert out.broken and not out.member_dead and out.halt is None
+    assert out.events == []  # the new epoch it leads to says why in the log
+    assert "a1" in out.reason and "Gloo AllReduce timed out" in out.reason
+
+
+@pytest.mark.parametrize(
+    ("state", "host", "epoch"),
+    [
+        (job(), "a1", 2),
+        (job(), "s0", 3),
+        (job(halted=True), "a1", 3),
+        (replace(job(), finished_step=40), "a1", 3),
+    ],
+    ids=["older epoch", "not a member", "halted", "finished"],
+)
+def test_a_failed_collective_outside_the_running_epoch_is_ignored(
+    state: ClusterState, host: str, epoch: int
+) -> None:
+    out = collective_failed(state, host, epoch)
+    assert not out.broken and not out.member_dead and out.events == []
+    assert "ignored" in out.reason
+
+
+def test_a_failed_collective_from_an_old_incarnation_is_refused() -> None:
+    with pytest.raises(Rejected, match="stale incarnation"):
+        membership.report_fault(NOW, job(incarnation=2), "a1", 1, FaultKind.COLLECTIVE_FAILED, 3, 0, "x")
+
+
 def test_a_lost_restore_step_halts_the_job_with_the_reason_and_blames_nobody() -> None:
     state = job()
     out = membership.report_fault(NOW, state, "a1", 1, FaultKind.STATE_LOST, 3, 65, "no tier holds step 17")

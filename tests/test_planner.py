@@ -25,7 +25,7 @@ from remesh.coordinator.model import (
     TopologyMember,
     replay,
 )
-from remesh.coordinator.planner import Decision, Kind, natural_key, plan, plan_events
+from remesh.coordinator.planner import Broken, Decision, Kind, natural_key, plan, plan_events
 from remesh.coordinator.settings import PlannerSettings
 
 ALIVE = MemberState.ALIVE
@@ -35,7 +35,7 @@ JOINING = MemberState.JOINING
 LEFT = MemberState.LEFT
 DRAINING = MemberState.DRAINING
 
-TOPOLOGY_KINDS = (Kind.FORM, Kind.REPLACE, Kind.SHRINK, Kind.GROW, Kind.READDRESS)
+TOPOLOGY_KINDS = (Kind.FORM, Kind.REPLACE, Kind.SHRINK, Kind.GROW, Kind.READDRESS, Kind.REFORM)
 
 
 def member(
@@ -491,6 +491,61 @@ def test_a_lost_member_is_replaced_even_when_the_address_was_refused() -> None:
     decision = plan(2.0, state, {}, S())
     assert decision.kind is Kind.REPLACE
     assert decision.hosts == ("a0", "a1", "s0", "a3")
+
+
+STEPS_41 = dict.fromkeys(FOUR, 41)
+
+
+def test_a_collective_every_member_says_failed_forms_the_same_members_again_at_once() -> None:
+    state = formed(FOUR, epoch=3, restore_step=40)
+    decision = plan(10.0, state, STEPS_41, S(), broken=Broken(3, since=9.9, reported=4))
+    assert decision.kind is Kind.REFORM, decision.reason
+    assert decision.hosts == FOUR
+    assert decision.restore_step == 41  # the newest step every member completed
+    assert "every member" in decision.reason
+    topology = plan_events(10.0, state, decision, S())[-1].topology
+    assert topology is not None and topology.epoch == 4 and topology.host_ids == FOUR
+
+
+def test_a_collective_some_members_say_failed_is_held_for_the_detection_window_then_reformed() -> None:
+    settings = S()
+    state = formed(FOUR, epoch=3, restore_step=40)
+    broken = Broken(3, since=10.0, reported=3)  # a3 said nothing (yet)
+    held = plan(10.0 + settings.reform_after_s - 0.1, state, STEPS_41, settings, broken=broken)
+    assert held.kind is Kind.HOLD, held.reason
+    assert "3 of 4" in held.reason
+    after = plan(10.0 + settings.reform_after_s, state, STEPS_41, settings, broken=broken)
+    assert after.kind is Kind.REFORM, after.reason
+    assert after.hosts == FOUR
+    assert "none was lost" in after.reason
+
+
+def test_a_suspect_member_holds_a_reform_longer_for_its_verdict() -> None:
+    settings = S()
+    state = formed(FOUR, epoch=3, states={"a2": SUSPECT})
+    broken = Broken(3, since=10.0, reported=3)
+    at = 10.0 + settings.reform_after_s
+    assert plan(at, state, STEPS_41, settings, broken=broken).kind is Kind.HOLD
+    assert plan(at + settings.suspect_hold_s, state, STEPS_41, settings, broken=broken).kind is Kind.REFORM
+
+
+def test_a_member_lost_after_a_failed_collective_is_replaced_not_reformed() -> None:
+    state = formed(FOUR, epoch=3, states={"a2": DEAD}, others=spares("s0"))
+    decision = plan(20.0, state, STEPS_41, S(), broken=Broken(3, since=10.0, reported=3))
+    assert decision.kind is Kind.REPLACE
+    assert decision.hosts == ("a0", "a1", "s0", "a3")
+
+
+def test_reports_of_a_failed_collective_in_an_older_epoch_change_nothing() -> None:
+    state = formed(FOUR, epoch=3)
+    assert plan(20.0, state, STEPS_41, S(), broken=Broken(2, since=10.0, reported=4)).kind is Kind.NONE
+
+
+def test_a_reform_takes_in_the_spares_a_shrunk_job_can_grow_by() -> None:
+    state = formed(("a0", "a1"), epoch=3, others=spares("s0", "s1"))
+    decision = plan(20.0, state, {"a0": 5, "a1": 5}, S(), broken=Broken(3, since=19.0, reported=2))
+    assert decision.kind is Kind.REFORM
+    assert decision.hosts == ("a0", "a1", "s0", "s1")
 
 
 def test_halt_event_carries_an_empty_final_topology() -> None:

@@ -29,6 +29,7 @@ class RecordingAgent(apb_grpc.AgentLocalServicer):
         self.lock = threading.Condition()
         self.progress: list[int] = []  # steps, in the order received
         self.stalls: list[int] = []
+        self.failures: list[tuple[int, int, str]] = []
 
     def WatchAssignments(
         self, request: apb.WatchAssignmentsRequest, context: grpc.ServicerContext
@@ -51,6 +52,13 @@ class RecordingAgent(apb_grpc.AgentLocalServicer):
         with self.lock:
             self.stalls.append(request.step)
         return apb.LocalStallResponse()
+
+    def ReportCollectiveFailure(
+        self, request: apb.LocalCollectiveFailureRequest, context: grpc.ServicerContext
+    ) -> apb.LocalCollectiveFailureResponse:
+        with self.lock:
+            self.failures.append((request.epoch, request.step, request.detail))
+        return apb.LocalCollectiveFailureResponse()
 
     def received(self, step: int, timeout: float) -> bool:
         with self.lock:
@@ -123,6 +131,29 @@ def test_the_step_after_a_stall_report_is_reported_at_once(agent: tuple[Recordin
         assert recording.received(3, timeout=5)
         assert recording.stalls == [2]
         assert recording.progress == [1, 3]  # step 2 was coalesced into step 3
+    finally:
+        trainer.close()
+
+
+def test_a_failed_collective_is_reported_as_one_line_of_plain_text(agent: tuple[RecordingAgent, str]) -> None:
+    """The runtime's error goes on as its first line, without the control characters the coordinator
+    refuses, and within its bound on a detail."""
+    recording, address = agent
+    trainer = client(address, every=300.0)
+    try:
+        trainer.report_collective_failure(1, 15, "Gloo AllReduce\x1b[31m timed out" + "x" * 2000 + "\nstack")
+    finally:
+        trainer.close()
+    [(epoch, step, detail)] = recording.failures
+    assert (epoch, step) == (1, 15)
+    assert detail.startswith("Gloo AllReduce [31m timed out") and len(detail) <= 1024
+    assert "stack" not in detail
+
+
+def test_a_collective_failure_report_nobody_receives_is_logged_not_raised() -> None:
+    trainer = client("127.0.0.1:1", every=300.0)  # nothing listens there
+    try:
+        trainer.report_collective_failure(1, 15, "timed out")  # the trainer goes on waiting for an epoch
     finally:
         trainer.close()
 

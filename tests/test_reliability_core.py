@@ -276,6 +276,17 @@ def test_stall_reports_of_an_older_epoch_or_a_finished_job_blame_nobody() -> Non
     assert judge_stalls(NOW, job(), current, {}, DETECT, idle=set()) == []
 
 
+def test_the_member_whose_collective_failed_first_is_not_taken_for_a_frozen_one() -> None:
+    """a1's collective failed and it left the epoch (idle, waiting for the next) while a0 and a2
+    block in theirs until it times out: a1 said so, so it did not stop, and nobody is declared dead."""
+    from remesh.coordinator.detector import Stall, judge_stalls
+
+    stalls = {"a0": Stall(2, 40, 98.8), "a2": Stall(2, 40, 98.8)}
+    steps = {"a0": 40, "a1": 40, "a2": 40}
+    assert [v.host_id for v in judge_stalls(NOW, job(), stalls, steps, DETECT, idle={"a1"})] == ["a1"]
+    assert judge_stalls(NOW, job(), stalls, steps, DETECT, idle={"a1"}, failed={"a1"}) == []
+
+
 def test_a_trainer_that_was_blocked_waiting_for_its_peers_is_not_at_fault_when_it_aborts() -> None:
     outcome = membership.report_fault(
         NOW, job(), "a0", 1, FaultKind.TRAINER_EXITED, 2, -6, "", blocked_since=98.5

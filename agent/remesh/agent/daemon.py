@@ -850,6 +850,28 @@ class Agent:
         )
         await self._relay("ReportFault", stall)
 
+    async def report_collective_failure(self, request: apb.LocalCollectiveFailureRequest) -> None:
+        """A collective of the epoch failed in the trainer, which left the epoch and waits for the
+        next: the coordinator replaces a lost member, or forms the same members again."""
+
+        def failed(stub: pb_grpc.CoordinatorStub, incarnation: int) -> Awaitable[pb.ReportFaultResponse]:
+            return stub.ReportFault(
+                pb.ReportFaultRequest(
+                    host_id=self.settings.host_id,
+                    incarnation=incarnation,
+                    kind=pb.FAULT_KIND_COLLECTIVE_FAILED,
+                    epoch=request.epoch,
+                    step=request.step,
+                    detail=request.detail,
+                ),
+                timeout=2,
+            )
+
+        self.log.warning(
+            "trainer's collective failed", epoch=request.epoch, step=request.step, detail=request.detail
+        )
+        await self._relay("ReportFault", failed)
+
     async def finish(self, request: apb.LocalFinishRequest) -> None:
         """The trainer completed the job's last step: tell the coordinator, and from now on take no
         exit of the trainer for a fault. Raises the coordinator's refusal (a newer epoch began)."""

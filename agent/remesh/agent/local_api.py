@@ -58,6 +58,12 @@ class LocalApi(apb_grpc.AgentLocalServicer):
         await _relayed(context, self._agent.report_stall(request))
         return apb.LocalStallResponse()
 
+    async def ReportCollectiveFailure(
+        self, request: apb.LocalCollectiveFailureRequest, context: grpc.aio.ServicerContext
+    ) -> apb.LocalCollectiveFailureResponse:
+        await _relayed(context, self._agent.report_collective_failure(request))
+        return apb.LocalCollectiveFailureResponse()
+
     async def Finish(
         self, request: apb.LocalFinishRequest, context: grpc.aio.ServicerContext
     ) -> apb.LocalFinishResponse:

@@ -41,6 +41,10 @@ def trainer_totals(stats: Mapping[str, float]) -> apb.TrainerTotals:
 
 log = structlog.get_logger("remesh.elastic")
 
+# A failed collective's detail, as sent on: the first line of the runtime's error, cut to this many
+# characters (the coordinator refuses a detail over 1024).
+_DETAIL_CHARS = 300
+
 # A trainer tells its agent its newest completed step at most this often (the agent relays it on its
 # next heartbeat). Every step would be a local gRPC call and a wake-up of two more processes beside
 # the step (on this 2-core machine, several percent of a step of benchmarks/overhead.py); a second
@@ -307,6 +311,26 @@ class AgentClient:
         except grpc.RpcError as exc:
             log.warning(
                 "stall report not delivered", epoch=epoch, step=step, error=str(_refusal(exc, "stall"))
+            )
+
+    def report_collective_failure(self, epoch: int, step: int, detail: str) -> None:
+        """Tell the agent (and through it the coordinator) that a collective of ``epoch`` failed
+        after ``step`` steps, and this trainer waits for the next epoch. Best effort: without it the
+        coordinator still replaces a lost member; only a failure with every member alive waits
+        longer for its new epoch."""
+        line = detail.splitlines()[0] if detail else ""
+        # Plain text within the coordinator's bound on a detail.
+        line = "".join(c if c.isprintable() else " " for c in line)[:_DETAIL_CHARS]
+        try:
+            self._stub.ReportCollectiveFailure(
+                apb.LocalCollectiveFailureRequest(epoch=epoch, step=step, detail=line), timeout=5
+            )
+        except grpc.RpcError as exc:
+            log.warning(
+                "collective failure report not delivered",
+                epoch=epoch,
+                step=step,
+                error=str(_refusal(exc, "collective failure")),
             )
 
     def finish(self, epoch: int, step: int) -> None:

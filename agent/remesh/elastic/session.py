@@ -441,6 +441,9 @@ class Epoch:
             latest = s.agent.latest
             if latest.epoch > self.epoch:
                 raise TopologyChanged(self.epoch, latest.epoch)
+            if self.step == s._fail_collective_at:
+                s._fail_collective_at = -1
+                raise PeerFailure(f"a collective failed (REMESH_FAULT_COLLECTIVE_AT_STEP={self.step})")
             self._handed_back = False
             self._started = time.monotonic()
             # The watchdog watches the step from here: on CPU its dispatch may wait in a collective.
@@ -616,6 +619,9 @@ class Session:
         # ... and compiling a step of the user's loop (``Epoch.jit``) first sleeps this long, as on a
         # slower or busier host.
         self._compile_delay_s = float(os.environ.get("REMESH_FAULT_COMPILE_DELAY_S", "0") or 0)
+        # ... and the step after this many steps fails here once, as a collective does when the
+        # network between healthy hosts fails for a moment (its peers' collectives then time out).
+        self._fail_collective_at = int(os.environ.get("REMESH_FAULT_COLLECTIVE_AT_STEP", "-1") or -1)
         self._treedef: Any = None
         self._template: list[jax.ShapeDtypeStruct] | None = None
         self._last_pieces: Pieces = {}
@@ -742,6 +748,15 @@ class Session:
                 recoveries += 1
                 if isinstance(exc, PeerFailure):
                     self.stats["peer_failures"] += 1
+                    # Said at once, in the background while the runtime is torn down: when no member
+                    # is lost (a network failure between healthy hosts), the coordinator forms the
+                    # same members into a new epoch once every member said so.
+                    threading.Thread(
+                        target=self.agent.report_collective_failure,
+                        args=(assignment.epoch, self._step, str(exc)),
+                        name="remesh-collective-failed",
+                        daemon=True,
+                    ).start()
                 t_fail = time.monotonic()
                 log.warning(
                     "leaving epoch",

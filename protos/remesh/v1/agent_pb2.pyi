@@ -131,6 +131,20 @@ class LocalStallResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class LocalCollectiveFailureRequest(_message.Message):
+    __slots__ = ("epoch", "step", "detail")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    step: int
+    detail: str
+    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class LocalCollectiveFailureResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class LocalFinishRequest(_message.Message):
     __slots__ = ("epoch", "step")
     EPOCH_FIELD_NUMBER: _ClassVar[int]

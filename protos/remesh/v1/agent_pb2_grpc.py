@@ -59,6 +59,11 @@ class AgentLocalStub:
                 request_serializer=remesh_dot_v1_dot_agent__pb2.LocalStallRequest.SerializeToString,
                 response_deserializer=remesh_dot_v1_dot_agent__pb2.LocalStallResponse.FromString,
                 _registered_method=True)
+        self.ReportCollectiveFailure = channel.unary_unary(
+                '/remesh.v1.AgentLocal/ReportCollectiveFailure',
+                request_serializer=remesh_dot_v1_dot_agent__pb2.LocalCollectiveFailureRequest.SerializeToString,
+                response_deserializer=remesh_dot_v1_dot_agent__pb2.LocalCollectiveFailureResponse.FromString,
+                _registered_method=True)
         self.Finish = channel.unary_unary(
                 '/remesh.v1.AgentLocal/Finish',
                 request_serializer=remesh_dot_v1_dot_agent__pb2.LocalFinishRequest.SerializeToString,
@@ -104,6 +109,13 @@ class AgentLocalServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportCollectiveFailure(self, request, context):
+        """A collective failed in the trainer (see Coordinator FAULT_KIND_COLLECTIVE_FAILED).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Finish(self, request, context):
         """The trainer completed the job's last step: it is not a fault if it exits in any way afterwards.
         """
@@ -138,6 +150,11 @@ def add_AgentLocalServicer_to_server(servicer, server):
                     servicer.ReportStall,
                     request_deserializer=remesh_dot_v1_dot_agent__pb2.LocalStallRequest.FromString,
                     response_serializer=remesh_dot_v1_dot_agent__pb2.LocalStallResponse.SerializeToString,
+            ),
+            'ReportCollectiveFailure': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportCollectiveFailure,
+                    request_deserializer=remesh_dot_v1_dot_agent__pb2.LocalCollectiveFailureRequest.FromString,
+                    response_serializer=remesh_dot_v1_dot_agent__pb2.LocalCollectiveFailureResponse.SerializeToString,
             ),
             'Finish': grpc.unary_unary_rpc_method_handler(
                     servicer.Finish,
@@ -280,6 +297,33 @@ class AgentLocal:
             '/remesh.v1.AgentLocal/ReportStall',
             remesh_dot_v1_dot_agent__pb2.LocalStallRequest.SerializeToString,
             remesh_dot_v1_dot_agent__pb2.LocalStallResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportCollectiveFailure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/remesh.v1.AgentLocal/ReportCollectiveFailure',
+            remesh_dot_v1_dot_agent__pb2.LocalCollectiveFailureRequest.SerializeToString,
+            remesh_dot_v1_dot_agent__pb2.LocalCollectiveFailureResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -69,6 +69,7 @@ class FaultKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAULT_KIND_ADDRESS_IN_USE: _ClassVar[FaultKind]
     FAULT_KIND_STALLED: _ClassVar[FaultKind]
     FAULT_KIND_STATE_LOST: _ClassVar[FaultKind]
+    FAULT_KIND_COLLECTIVE_FAILED: _ClassVar[FaultKind]
 ROLE_UNSPECIFIED: Role
 ROLE_ACTIVE: Role
 ROLE_SPARE: Role
@@ -114,6 +115,7 @@ FAULT_KIND_HOST: FaultKind
 FAULT_KIND_ADDRESS_IN_USE: FaultKind
 FAULT_KIND_STALLED: FaultKind
 FAULT_KIND_STATE_LOST: FaultKind
+FAULT_KIND_COLLECTIVE_FAILED: FaultKind
 
 class Member(_message.Message):
     __slots__ = ("host_id", "incarnation", "role", "state", "device_count", "address", "rank", "reason", "updated_at", "last_step")

@@ -143,6 +143,8 @@ def settings_from_args(args: argparse.Namespace, redis_url: str) -> Settings:
         base.planner,
         # A suspect's verdict comes within the silence between suspect and dead: wait at least that.
         suspect_hold_s=max(base.planner.suspect_hold_s, d.heartbeat_timeout_s - d.suspect_after_s + 0.2),
+        # Re-forming after a failed collective waits out the detector's verdicts on a stopped member.
+        reform_after_s=max(base.planner.reform_after_s, max(d.heartbeat_timeout_s, d.stall_verdict_s) + 0.4),
         world_size=args.world_size,
         min_world_size=args.min_world_size,
         world_size_must_divide=args.must_divide,

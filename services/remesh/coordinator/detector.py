@@ -119,9 +119,11 @@ def judge_stalls(
     steps: Mapping[str, int],
     settings: DetectorSettings,
     idle: Collection[str],
+    failed: Collection[str] = (),
 ) -> list[Verdict]:
     """Members every other member of the epoch is blocked waiting for, and whose trainer is idle
-    (``idle``: its agent saw it use no CPU for a while): dead.
+    (``idle``: its agent saw it use no CPU for a while): dead. Not a member in ``failed``: its trainer
+    said a collective of the epoch failed and waits, idle, for the next epoch; it did not stop.
 
     A member whose trainer is frozen (stopped, hung) sends heartbeats as usual, but its peers block
     in the next collective and report it; it reports nothing. Once the reports have held for
@@ -144,7 +146,7 @@ def judge_stalls(
     waited = now - min(s.at for s in blocked.values())
     if waited < settings.stall_verdict_s:
         return []
-    waiting = [h for h in members if h not in blocked and state.members[h].state.is_up]
+    waiting = [h for h in members if h not in blocked and h not in failed and state.members[h].state.is_up]
     if not waiting or len(waiting) > len(blocked) or not all(h in idle for h in waiting):
         return []
     reporters = ", ".join(sorted(blocked))

@@ -76,6 +76,7 @@ class FaultKind(enum.StrEnum):
     ADDRESS_IN_USE = "address_in_use"
     STALLED = "stalled"
     STATE_LOST = "state_lost"
+    COLLECTIVE_FAILED = "collective_failed"
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,9 @@ class FaultOutcome:
     reason: str
     # Set when the job cannot go on: the reason the planner halts it with.
     halt: str | None = None
+    # A member of the current epoch said a collective of it failed: the planner counts it
+    # (``planner.Broken``).
+    broken: bool = False
 
 
 def validate_host_id(host_id: str, max_length: int) -> None:
@@ -376,6 +380,28 @@ def report_fault(
     if kind is FaultKind.STALLED:
         # An observation the detector weighs (``detector.judge_stalls``), never a fault by itself.
         return FaultOutcome([], False, f"{host_id} reported its trainer blocked in epoch {epoch}")
+    if kind is FaultKind.COLLECTIVE_FAILED:
+        # An observation too: the trainer left the epoch in-process and waits for the next one. A
+        # member lost explains the failure and is replaced; when every member reported it, or none
+        # was lost within the detection window, the planner forms the same members again.
+        if (
+            topology is None
+            or topology.halted
+            or epoch != topology.epoch
+            or not in_topology
+            or state.finished
+        ):
+            return FaultOutcome(
+                [],
+                False,
+                f"collective failure in epoch {epoch} from {host_id}: not of the running epoch, ignored",
+            )
+        return FaultOutcome(
+            [],
+            False,
+            f"{host_id} reported a failed collective in epoch {epoch}: {detail or 'no detail'}",
+            broken=True,
+        )
     if state.finished:
         # A trainer that aborts after the job's last step (JAX's shutdown with a peer already gone)
         # cost nothing: nothing is recorded.

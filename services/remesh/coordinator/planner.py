@@ -11,6 +11,10 @@ decides one of:
 - GROW     nothing lost, the job runs below its target size and spares are up.
 - READDRESS nothing lost, but rank 0 found the epoch's JAX coordination port taken: the same
            members in a new epoch (whose port differs).
+- REFORM   nothing lost, but members said a collective of the epoch failed (``Broken``; a network
+           failure between healthy hosts): the same members in a new epoch, once every member said
+           so, or once ``settings.reform_after_s`` passed without a loss (a lost member would
+           have explained the failure and been replaced instead). Held until then.
 - HOLD     members are lost: the plan waits until ``settings.burst_window_s`` passed without
            another loss or suspicion (at most ``settings.burst_max_s`` from the first), for the rest
            of a burst however long it spreads, and while others of the topology are suspect (their
@@ -44,7 +48,7 @@ from remesh.coordinator.model import (
 )
 from remesh.coordinator.settings import PlannerSettings
 
-__all__ = ["Decision", "Kind", "natural_key", "plan", "plan_events"]
+__all__ = ["Broken", "Decision", "Kind", "natural_key", "plan", "plan_events"]
 
 
 class Kind(enum.StrEnum):
@@ -54,6 +58,7 @@ class Kind(enum.StrEnum):
     SHRINK = "shrink"
     GROW = "grow"
     READDRESS = "readdress"
+    REFORM = "reform"
     HOLD = "hold"
     WAIT = "wait"
     HALT = "halt"
@@ -70,6 +75,19 @@ class Decision:
     hosts: tuple[str, ...] = ()
     restore_step: int = -1
     details: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Broken:
+    """Members of an epoch said a collective of it failed (``FAULT_KIND_COLLECTIVE_FAILED``): their
+    trainers left it and wait for the next. Observations the coordinator keeps in memory, as it keeps
+    stall reports: the event log records the new epoch they lead to, with its reason."""
+
+    epoch: int
+    # When the first of them said so.
+    since: float
+    # How many members of the epoch said so.
+    reported: int
 
 
 @functools.lru_cache(maxsize=65536)
@@ -100,11 +118,13 @@ def plan(
     settings: PlannerSettings,
     reached: int | None = None,
     ready: int | None = None,
+    broken: Broken | None = None,
 ) -> Decision:
     """``reached``: the furthest step a member reported in the current epoch, where the caller tracked
     it (a member that registered again reports -1 in ``steps``); else the furthest of ``steps``.
     ``ready``: how many members are alive and active, where the caller keeps count
-    (``model.tally``); else they are counted here."""
+    (``model.tally``); else they are counted here. ``broken``: the members' reports of a failed
+    collective, where any came."""
     topology = state.topology
     if topology is not None and topology.halted:
         return Decision(Kind.NONE, f"job halted: {topology.reason}")
@@ -151,6 +171,35 @@ def plan(
             f"{topology.jax_coordinator_address} was taken on {current[0]}: same hosts, new address",
             current,
             topology.restore_step,
+            details,
+        )
+    if not lost and broken is not None and broken.epoch == topology.epoch:
+        waited = now - broken.since
+        suspects = [h for h in current if state.members[h].state is MemberState.SUSPECT]
+        everyone = broken.reported >= len(current)
+        # A member that stopped (its host silent, its trainer hung) reports nothing, and its verdict
+        # comes within the detection window: until then the failure may be its doing.
+        if not everyone and (
+            waited < settings.reform_after_s
+            or (suspects and waited < settings.reform_after_s + settings.suspect_hold_s)
+        ):
+            return Decision(
+                Kind.HOLD,
+                f"{broken.reported} of {len(current)} members said a collective of epoch {topology.epoch} "
+                f"failed: waiting up to {settings.reform_after_s:g}s for the others or for a lost member",
+            )
+        hosts = _grown(current, spares, settings)
+        why = (
+            "every member"
+            if everyone
+            else f"{broken.reported} of {len(current)} members, and none was lost in {waited:.1f}s,"
+        )
+        grew = f"; grew to {len(hosts)} hosts" if len(hosts) > len(current) else ""
+        return Decision(
+            Kind.REFORM,
+            f"{why} said a collective of epoch {topology.epoch} failed: the same hosts form a new epoch{grew}",
+            hosts,
+            restore,
             details,
         )
     if not lost:

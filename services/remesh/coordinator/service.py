@@ -48,7 +48,7 @@ from remesh.coordinator.model import (
     replay,
     tally,
 )
-from remesh.coordinator.planner import Decision, Kind, plan, plan_events
+from remesh.coordinator.planner import Broken, Decision, Kind, plan, plan_events
 from remesh.coordinator.settings import Settings
 from remesh.coordinator.store import RedisStore
 from remesh.v1.contract import recovery_id
@@ -177,6 +177,9 @@ class Coordinator:
         # idle (no CPU time) in its last heartbeat: observations, like liveness.
         self._stalls: dict[str, Stall] = {}
         self._idle: set[str] = set()
+        # Members whose trainer said a collective of an epoch failed: host -> (epoch, when). Kept
+        # for the planner (``Broken``) until a new topology.
+        self._broken: dict[str, tuple[int, float]] = {}
         # Every open heartbeat stream of each host, oldest first: an agent that reconnects has two for
         # a moment, and a second stream (a reconnect, or anyone with the incarnation) ending says
         # nothing about the host while another one still carries its heartbeats.
@@ -372,7 +375,13 @@ class Coordinator:
                     after = replay(events, self.state)
                     ready = self._ready(after, events)
                     decision = plan(
-                        now, after, self._steps, self.settings.planner, self._epoch_reached, ready
+                        now,
+                        after,
+                        self._steps,
+                        self.settings.planner,
+                        self._epoch_reached,
+                        ready,
+                        self._broken_in(after),
                     )
                     # Held (a burst being collected) or waiting for a replacement: the clock alone
                     # will change the plan, so the detector asks again on every tick until it does.
@@ -448,6 +457,7 @@ class Coordinator:
                     stream.command("finished", event.reason)
         if any(e.type in (EventType.TOPOLOGY_CHANGED, EventType.JOB_HALTED) for e in events):
             self._stalls = {}
+            self._broken = {h: seen for h, seen in self._broken.items() if seen[0] >= self.state.epoch}
             self._topology_may_have_changed()
         self._update_gauges()
 
@@ -469,6 +479,14 @@ class Coordinator:
         if self._tally.of is not base.members:
             self._tally = tally(base.members)
         return tally(state.members, self._tally, events)
+
+    def _broken_in(self, state: ClusterState) -> Broken | None:
+        """The reports of a failed collective in ``state``'s current epoch, from its members."""
+        topology = state.topology
+        if not self._broken or topology is None:
+            return None
+        times = [at for h, (e, at) in self._broken.items() if e == topology.epoch and h in topology.host_set]
+        return Broken(topology.epoch, min(times), len(times)) if times else None
 
     def _ready(self, state: ClusterState, events: Sequence[Event]) -> int | None:
         """The alive active members of ``state`` for the planner, from the kept tally (``_tally_of``);
@@ -531,8 +549,10 @@ class Coordinator:
         judged = {v.host_id for v in silent}
         for host_id in due:
             self._liveness.reschedule(host_id, now, judged=host_id in judged)
+        epoch = self.state.epoch
+        failed = [h for h, (e, _) in self._broken.items() if e == epoch]
         verdicts = silent + judge_stalls(
-            now, self.state, self._stalls, self._steps, self.settings.detector, self._idle
+            now, self.state, self._stalls, self._steps, self.settings.detector, self._idle, failed
         )
         if verdicts:
             # Every verdict of this tick in one commit, planned together: hosts lost together (a rack,
@@ -555,6 +575,7 @@ class Coordinator:
             self.settings.planner,
             self._epoch_reached,
             self._ready(self.state, ()),
+            self._broken_in(self.state),
         )
         if decision.kind not in (Kind.NONE, Kind.HOLD):
             await self._change(lambda s, t: [])
@@ -740,11 +761,21 @@ class Coordinator:
             if stall is not None and stall.epoch == epoch and self._steps.get(host_id, -1) <= stall.step
             else None
         )
+        broken = self._broken.get(host_id)
+        if blocked_since is None and broken is not None and broken[0] == epoch:
+            # Its collective had failed and it waited for the next epoch: an exit now is collateral.
+            blocked_since = broken[1]
 
         def transition(s: ClusterState, now: float) -> tuple[list[Event], membership.FaultOutcome]:
             result = membership.report_fault(
                 now, s, host_id, incarnation, kind, epoch, exit_code, detail, self._max_id, blocked_since
             )
+            if result.broken:
+                if self._broken.get(host_id, (-1, 0.0))[0] != epoch:
+                    self._broken[host_id] = (epoch, now)
+                    log.warning("collective failed", host=host_id, epoch=epoch, detail=detail)
+                # No event: the planner weighs the reports (a hold, or the same members again).
+                self._replan = True
             if result.halt is None:
                 return result.events, result
             halt = plan_events(

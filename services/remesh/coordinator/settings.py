@@ -91,6 +91,12 @@ class PlannerSettings:
     # coordinator over seconds (450 of 5000 made two epochs with a fixed hold); a lone failure still
     # waits only burst_window_s.
     burst_max_s: float = 5.0
+    # Members said a collective of their epoch failed, yet none of them is lost: the same members form
+    # a new epoch at once when every member said so, else after this long without a loss. A member
+    # that stopped says nothing and is judged within the detector's heartbeat_timeout_s (silent host)
+    # or stall_verdict_s (hung trainer): this must exceed both, or the epoch is formed again around a
+    # member about to be declared dead (one recovery more). 0.6 s and 1.0 s here.
+    reform_after_s: float = 2.0
 
     def jax_port(self, job_id: str, epoch: int) -> int:
         return self.jax_port_base + (zlib.crc32(job_id.encode()) + epoch) % self.jax_port_span
@@ -183,7 +189,8 @@ class Settings:
         # Redis across a network: a lease that rides out a slow round trip, keepalives every second.
         ha = HaSettings(lease_ttl_s=3.0, keepalive_s=1.0)
         # Suspect to dead takes 7 s of silence here (10 - 3); a rack failure is still one epoch.
-        planner = PlannerSettings(suspect_hold_s=8.0, burst_window_s=1.0)
+        # Re-forming after a failed collective waits out the 30 s stall verdict (a hung trainer).
+        planner = PlannerSettings(suspect_hold_s=8.0, burst_window_s=1.0, reform_after_s=35.0)
         base: dict[str, object] = {
             "listen": "0.0.0.0:50051",
             "metrics_port": 9090,
