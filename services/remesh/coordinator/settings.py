@@ -94,9 +94,12 @@ class PlannerSettings:
     # Members said a collective of their epoch failed, yet none of them is lost: the same members form
     # a new epoch at once when every member said so, else after this long without a loss. A member
     # that stopped says nothing and is judged within the detector's heartbeat_timeout_s (silent host)
-    # or stall_verdict_s (hung trainer): this must exceed both, or the epoch is formed again around a
-    # member about to be declared dead (one recovery more). 0.6 s and 1.0 s here.
-    reform_after_s: float = 2.0
+    # or stall_verdict_s (hung trainer): this must exceed both (0.6 s and 1.0 s here), or the epoch is
+    # formed again around a member about to be declared dead (one recovery more). It also exceeds
+    # the trainers' 2 s collective timeout on CPU: peers still blocked in the failed collective say
+    # so themselves first, and leave it in-process, instead of being overtaken by the new epoch
+    # (a step still blocked 0.2 s after a new epoch ends its process for the warm standby).
+    reform_after_s: float = 3.0
 
     def jax_port(self, job_id: str, epoch: int) -> int:
         return self.jax_port_base + (zlib.crc32(job_id.encode()) + epoch) % self.jax_port_span
