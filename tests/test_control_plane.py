@@ -654,8 +654,12 @@ def test_a_collective_every_member_says_failed_forms_the_same_members_again_at_o
                     member.host_id, member.incarnation, FaultKind.COLLECTIVE_FAILED, epoch, 0, "timed out"
                 )
                 assert not outcome.member_dead
+            # Said again while waiting (the trainers do, every few seconds): counted once.
+            await coordinator.report_fault("host-a", a.incarnation, FaultKind.COLLECTIVE_FAILED, epoch, 0, "")
             await wait_async(lambda: coordinator.state.epoch > epoch, 5.0)
             took = time.monotonic() - t0
+            said = coordinator.metrics.registry.get_sample_value("remesh_collective_failures_total")
+            assert said == 2
             return epoch, coordinator.state.epoch, took, await read_events(redis_server, job_id)
 
     epoch, new_epoch, took, events = asyncio.run(scenario())

@@ -145,3 +145,58 @@ def test_a_member_left_out_is_told_only_from_known_members() -> None:
     assert not lost_a_member(("a", "b"), ("b", "a", "c"))
     assert not lost_a_member((), ("a",))  # this process never heard the epoch's members
     assert not lost_a_member(("a", "b"), ())
+
+
+class Waiting:
+    """The part of Session that waits for the epoch after a failure: its policy, its agent, its step."""
+
+    def __init__(self, policy: Policy, agent: Any) -> None:
+        self.policy = policy
+        self.agent = agent
+        self._step = 14
+
+    _say_collective_failed = Session._say_collective_failed
+
+
+class Announcer:
+    """An agent whose new epoch comes on the ``comes_on``-th wait; it records every wait's timeout and
+    every failure report."""
+
+    def __init__(self, comes_on: int) -> None:
+        self.comes_on = comes_on
+        self.timeouts: list[float] = []
+        self.reports: list[tuple[int, int]] = []
+
+    def wait_newer(self, epoch: int, timeout: float) -> Any:
+        self.timeouts.append(timeout)
+        if len(self.timeouts) >= self.comes_on:
+            return SimpleNamespace(epoch=epoch + 1)
+        time.sleep(timeout)
+        return None
+
+    def report_collective_failure(self, epoch: int, step: int, detail: str) -> None:
+        self.reports.append((epoch, step))
+
+
+def test_a_failed_collective_is_said_again_while_no_epoch_comes(monkeypatch: Any) -> None:
+    """A coordinator keeps the reports in memory: one that took over meanwhile must hear them again.
+    Said after every COLLECTIVE_REPORT_AGAIN_S of waiting, and no more once the epoch came."""
+    import remesh.elastic.session as session_module
+    from remesh.elastic.errors import PeerFailure, TopologyChanged
+
+    monkeypatch.setattr(session_module, "COLLECTIVE_REPORT_AGAIN_S", 0.1)
+    agent = Announcer(comes_on=4)
+    waiting = Waiting(Policy(epoch_wait_s=30.0), agent)
+    newer = Session._wait_after(waiting, 3, PeerFailure("Gloo all-reduce timed out"))  # type: ignore[arg-type]
+    assert newer is not None and newer.epoch == 4
+    assert agent.timeouts == [0.1] * 4
+    until(lambda: len(agent.reports) >= 3)  # sent from threads of their own
+    time.sleep(0.2)
+    assert agent.reports == [(3, 14)] * 3  # after each of the three waits that ended with nothing
+
+    # Nothing to say after a new topology; a wait that runs out ends with None, within its bound.
+    quiet = Announcer(comes_on=1000)
+    wait = Waiting(Policy(epoch_wait_s=0.25), quiet)
+    assert Session._wait_after(wait, 3, TopologyChanged(3, 4)) is None  # type: ignore[arg-type]
+    assert quiet.reports == [] and len(quiet.timeouts) >= 2
+    assert max(quiet.timeouts) <= 0.1 and sum(quiet.timeouts) <= 0.25 + 1e-9

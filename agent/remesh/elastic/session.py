@@ -112,6 +112,10 @@ __all__ = [
 
 log = structlog.get_logger("remesh.elastic")
 
+# A trainer waiting for the epoch after a failed collective says so again this often (``_wait_after``):
+# a coordinator that took over meanwhile hears every member within this, and re-forms the epoch.
+COLLECTIVE_REPORT_AGAIN_S = 5.0
+
 PyTree = Any
 
 
@@ -748,15 +752,10 @@ class Session:
                 recoveries += 1
                 if isinstance(exc, PeerFailure):
                     self.stats["peer_failures"] += 1
-                    # Said at once, in the background while the runtime is torn down: when no member
-                    # is lost (a network failure between healthy hosts), the coordinator forms the
-                    # same members into a new epoch once every member said so.
-                    threading.Thread(
-                        target=self.agent.report_collective_failure,
-                        args=(assignment.epoch, self._step, str(exc)),
-                        name="remesh-collective-failed",
-                        daemon=True,
-                    ).start()
+                    # Said at once, while the runtime is torn down: when no member is lost (a network
+                    # failure between healthy hosts), the coordinator forms the same members into a
+                    # new epoch once every member said so.
+                    self._say_collective_failed(assignment.epoch, exc)
                 t_fail = time.monotonic()
                 log.warning(
                     "leaving epoch",
@@ -777,7 +776,7 @@ class Session:
                 teardown = self.runtime.stop()
                 if recoveries > self.policy.max_in_process_recoveries:
                     self._restart_process(f"{recoveries} in-process recoveries; asking for a fresh process")
-                newer = self.agent.wait_newer(assignment.epoch, self.policy.epoch_wait_s)
+                newer = self._wait_after(assignment.epoch, exc)
                 if newer is None:
                     self._restart_process(f"no new epoch within {self.policy.epoch_wait_s:g}s after: {exc}")
                 self._recovery = {"teardown": teardown, "wait_epoch": time.monotonic() - t_fail - teardown}
@@ -788,6 +787,31 @@ class Session:
                 self._exit(STATE_LOST_EXIT_CODE, str(exc))
             except RestartProcess as exc:
                 self._restart_process(str(exc))
+
+    def _say_collective_failed(self, epoch: int, failure: PeerFailure) -> None:
+        """Tell the agent a collective of ``epoch`` failed, in the background (it may wait for a
+        coordinator)."""
+        threading.Thread(
+            target=self.agent.report_collective_failure,
+            args=(epoch, self._step, str(failure)),
+            name="remesh-collective-failed",
+            daemon=True,
+        ).start()
+
+    def _wait_after(self, epoch: int, failure: Recoverable) -> Assignment | None:
+        """The first assignment after ``epoch``, or None after ``policy.epoch_wait_s``. After a failed
+        collective the report is said again every ``COLLECTIVE_REPORT_AGAIN_S`` meanwhile: the
+        coordinator keeps such reports in memory, so one that was lost on its way, or held by a
+        coordinator that another one took over from since, would leave every member waiting for
+        an epoch nobody plans."""
+        deadline = time.monotonic() + self.policy.epoch_wait_s
+        while True:
+            left = deadline - time.monotonic()
+            newer = self.agent.wait_newer(epoch, max(0.0, min(left, COLLECTIVE_REPORT_AGAIN_S)))
+            if newer is not None or left <= COLLECTIVE_REPORT_AGAIN_S:
+                return newer
+            if isinstance(failure, PeerFailure):
+                self._say_collective_failed(epoch, failure)
 
     def _until_placed(self, assignment: Assignment) -> Assignment | None:
         """Standby until this host holds a rank (a spare, or shrunk away); None when the job halted."""

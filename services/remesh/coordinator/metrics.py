@@ -98,6 +98,11 @@ class Metrics:
             "remesh_epochs_published", "Topology epochs published", registry=self.registry
         )
         self.events = Counter("remesh_events", "Events appended to the log", ["type"], registry=self.registry)
+        self.collective_failures = Counter(
+            "remesh_collective_failures",
+            "Members that said a collective of the running epoch failed (each member once per epoch)",
+            registry=self.registry,
+        )
         self.leader = Gauge(
             "remesh_leader", "1 while this replica leads the job, 0 while it follows", registry=self.registry
         )

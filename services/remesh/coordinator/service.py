@@ -783,7 +783,10 @@ class Coordinator:
             )
             return result.events + halt, result
 
+        first = self._broken.get(host_id, (-1, 0.0))[0] != epoch
         _, outcome = await self._change_with(transition)
+        if outcome.broken and first:
+            self.metrics.collective_failures.inc()
         return outcome
 
     async def ack_epoch(
