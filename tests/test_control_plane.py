@@ -20,8 +20,9 @@ import grpc
 import pytest
 
 from remesh.coordinator.membership import FaultKind
-from remesh.coordinator.model import ClusterState, Event, EventType, Member, replay
+from remesh.coordinator.model import ClusterState, Event, EventType, Member, Topology, replay
 from remesh.coordinator.model import Role as MemberRole
+from remesh.coordinator.planner import Decision, Kind
 from remesh.coordinator.service import Coordinator
 from remesh.coordinator.settings import DetectorSettings, PlannerSettings, Settings
 from remesh.coordinator.store import RedisStore
@@ -700,6 +701,71 @@ def test_a_collective_one_member_says_failed_waits_out_the_detection_window_then
     assert len([t for t, _ in seen if t < window]) >= 3  # it was looked at inside the window
     assert seen[-1][1] == epoch + 1 and seen[-1][0] >= window
     assert not dead
+
+
+def test_every_survivors_report_of_a_failed_collective_costs_no_plan_of_its_own(
+    redis_server: RedisServer, job_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every member of every failed epoch says its collective failed, and a plan reads the whole fleet:
+    300 reports are planned when they start the window and when the last completes them (and on the
+    detector's ticks in between), not once each; they make one epoch of the same 300 members."""
+    import remesh.coordinator.service as service_module
+
+    plans: list[Kind] = []
+    real_plan = service_module.plan
+
+    def counted(*args: Any, **kwargs: Any) -> Decision:
+        decision = real_plan(*args, **kwargs)
+        plans.append(decision.kind)
+        return decision
+
+    hosts = [f"host-{i}" for i in range(300)]
+    # Nobody is judged by silence here: the test sends no heartbeats after the first.
+    detector = DetectorSettings(suspect_after_s=60.0, heartbeat_timeout_s=120.0)
+
+    async def scenario() -> tuple[int, list[Kind], Topology | None, float]:
+        settings = Settings(
+            job_id=job_id,
+            redis_url=redis_server.url,
+            detector=detector,
+            planner=PlannerSettings(world_size=len(hosts), jax_port_span=5000),
+        )
+        coordinator = Coordinator(settings, RedisStore(redis_server.url, job_id))
+        await coordinator.start()
+        try:
+            members = await asyncio.gather(
+                *(coordinator.register(h, MemberRole.ACTIVE, 1, "10.0.0.1") for h in hosts)
+            )
+            for m in members:
+                await coordinator.heartbeat(m.host_id, m.incarnation, -1)
+            await wait_async(lambda: coordinator.state.topology is not None, 30.0)
+            epoch = coordinator.state.epoch
+            await asyncio.gather(
+                *(coordinator.ack_epoch(m.host_id, m.incarnation, epoch, 0, "fresh", {}) for m in members)
+            )
+            monkeypatch.setattr(service_module, "plan", counted)
+            t0 = time.monotonic()
+            await asyncio.gather(
+                *(
+                    coordinator.report_fault(
+                        m.host_id, m.incarnation, FaultKind.COLLECTIVE_FAILED, epoch, 0, ""
+                    )
+                    for m in members
+                )
+            )
+            await wait_async(lambda: coordinator.state.epoch > epoch, 10.0)
+            took = time.monotonic() - t0
+            return epoch, list(plans), coordinator.state.topology, took
+        finally:
+            await coordinator.stop()
+
+    epoch, kinds, topology, took = asyncio.run(scenario())
+    assert topology is not None and topology.epoch == epoch + 1
+    assert topology.host_ids == tuple(hosts)
+    assert kinds.count(Kind.REFORM) == 1
+    # The first report's plan (a hold), the last one's (the re-form), and the ticks' meanwhile.
+    ticks = took / DetectorSettings().tick_s
+    assert len(kinds) <= ticks + 4 and len(kinds) < len(hosts) / 3, (len(kinds), took)
 
 
 async def wait_async(condition: Callable[[], bool], within_s: float) -> None:

@@ -177,9 +177,10 @@ class Coordinator:
         # idle (no CPU time) in its last heartbeat: observations, like liveness.
         self._stalls: dict[str, Stall] = {}
         self._idle: set[str] = set()
-        # Members whose trainer said a collective of an epoch failed: host -> (epoch, when). Kept
-        # for the planner (``Broken``) until a new topology.
-        self._broken: dict[str, tuple[int, float]] = {}
+        # Members whose trainer said a collective of an epoch failed: epoch -> host -> when it first
+        # said so (in the order they did). Kept for the planner (``Broken``) until a new topology;
+        # every survivor of every failure says so, so each look at it costs O(1), not O(fleet).
+        self._broken: dict[int, dict[str, float]] = {}
         # Every open heartbeat stream of each host, oldest first: an agent that reconnects has two for
         # a moment, and a second stream (a reconnect, or anyone with the incarnation) ending says
         # nothing about the host while another one still carries its heartbeats.
@@ -187,6 +188,8 @@ class Coordinator:
         # Whether the last plan was held or is waiting: the detector plans again each tick until not.
         # True at start: what was stored may be mid-burst.
         self._replan = True
+        # Set by a transition whose observations (not events) may change the plan: plan this change.
+        self._plan_now = False
         # The state the planner last found nothing to do for (None: not planned yet). A commit of
         # only acknowledgements on it needs no plan: they change nothing a plan reads, and at 2000
         # hosts a new epoch is 2000 of them, each batch a sort of every member otherwise.
@@ -365,11 +368,15 @@ class Coordinator:
                 if not self.leading:
                     raise self.not_leader()
                 now = self._clock()
+                self._plan_now = False
                 events, answer = transition(self.state, now)
                 planned: list[Event] = []
-                if not (
+                # A change with no events on a settled state changes nothing a plan reads, held or
+                # not (the clock is the detector's ticks' to watch): planned only when its
+                # transition asks.
+                if self._plan_now or not (
                     self.state is self._settled
-                    and not self._replan
+                    and (not self._replan or not events)
                     and all(e.type in _PLAN_NEUTRAL for e in events)
                 ):
                     after = replay(events, self.state)
@@ -457,7 +464,7 @@ class Coordinator:
                     stream.command("finished", event.reason)
         if any(e.type in (EventType.TOPOLOGY_CHANGED, EventType.JOB_HALTED) for e in events):
             self._stalls = {}
-            self._broken = {h: seen for h, seen in self._broken.items() if seen[0] >= self.state.epoch}
+            self._broken = {e: said for e, said in self._broken.items() if e >= self.state.epoch}
             self._topology_may_have_changed()
         self._update_gauges()
 
@@ -480,13 +487,17 @@ class Coordinator:
             self._tally = tally(base.members)
         return tally(state.members, self._tally, events)
 
+    def _plan_again(self, state: ClusterState, now: float) -> list[Event]:
+        """No change but the clock's: plan it."""
+        self._plan_now = True
+        return []
+
     def _broken_in(self, state: ClusterState) -> Broken | None:
         """The reports of a failed collective in ``state``'s current epoch, from its members."""
-        topology = state.topology
-        if not self._broken or topology is None:
+        said = self._broken.get(state.epoch)
+        if not said:
             return None
-        times = [at for h, (e, at) in self._broken.items() if e == topology.epoch and h in topology.host_set]
-        return Broken(topology.epoch, min(times), len(times)) if times else None
+        return Broken(state.epoch, next(iter(said.values())), len(said))
 
     def _ready(self, state: ClusterState, events: Sequence[Event]) -> int | None:
         """The alive active members of ``state`` for the planner, from the kept tally (``_tally_of``);
@@ -550,7 +561,7 @@ class Coordinator:
         for host_id in due:
             self._liveness.reschedule(host_id, now, judged=host_id in judged)
         epoch = self.state.epoch
-        failed = [h for h, (e, _) in self._broken.items() if e == epoch]
+        failed = self._broken.get(epoch, {})
         verdicts = silent + judge_stalls(
             now, self.state, self._stalls, self._steps, self.settings.detector, self._idle, failed
         )
@@ -578,7 +589,7 @@ class Coordinator:
             self._broken_in(self.state),
         )
         if decision.kind not in (Kind.NONE, Kind.HOLD):
-            await self._change(lambda s, t: [])
+            await self._change(self._plan_again)
 
     async def _progress_loop(self) -> None:
         while True:
@@ -761,21 +772,24 @@ class Coordinator:
             if stall is not None and stall.epoch == epoch and self._steps.get(host_id, -1) <= stall.step
             else None
         )
-        broken = self._broken.get(host_id)
-        if blocked_since is None and broken is not None and broken[0] == epoch:
+        if blocked_since is None:
             # Its collective had failed and it waited for the next epoch: an exit now is collateral.
-            blocked_since = broken[1]
+            blocked_since = self._broken.get(epoch, {}).get(host_id)
 
         def transition(s: ClusterState, now: float) -> tuple[list[Event], membership.FaultOutcome]:
             result = membership.report_fault(
                 now, s, host_id, incarnation, kind, epoch, exit_code, detail, self._max_id, blocked_since
             )
-            if result.broken:
-                if self._broken.get(host_id, (-1, 0.0))[0] != epoch:
-                    self._broken[host_id] = (epoch, now)
-                    log.warning("collective failed", host=host_id, epoch=epoch, detail=detail)
-                # No event: the planner weighs the reports (a hold, or the same members again).
-                self._replan = True
+            said = self._broken.setdefault(epoch, {}) if result.broken else {}
+            if result.broken and host_id not in said:
+                said[host_id] = now
+                log.warning("collective failed", host=host_id, epoch=epoch, detail=detail)
+                # No event: the planner weighs the reports. Planned again when they start its window
+                # and when the last member's completes them (a plan reads the whole fleet; the
+                # detector's ticks plan meanwhile, while the plan holds).
+                members = len(s.topology.host_ids) if s.topology is not None else 0
+                if len(said) == 1 or len(said) >= members:
+                    self._plan_now = True
             if result.halt is None:
                 return result.events, result
             halt = plan_events(
@@ -783,7 +797,7 @@ class Coordinator:
             )
             return result.events + halt, result
 
-        first = self._broken.get(host_id, (-1, 0.0))[0] != epoch
+        first = host_id not in self._broken.get(epoch, {})
         _, outcome = await self._change_with(transition)
         if outcome.broken and first:
             self.metrics.collective_failures.inc()
