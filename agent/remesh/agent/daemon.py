@@ -827,20 +827,6 @@ class Agent:
     async def report_stall(self, request: apb.LocalStallRequest) -> None:
         """The trainer has been blocked in a step for a while: the coordinator weighs it against its
         peers' reports (a member none of them hears from is frozen)."""
-
-        def stall(stub: pb_grpc.CoordinatorStub, incarnation: int) -> Awaitable[pb.ReportFaultResponse]:
-            return stub.ReportFault(
-                pb.ReportFaultRequest(
-                    host_id=self.settings.host_id,
-                    incarnation=incarnation,
-                    kind=pb.FAULT_KIND_STALLED,
-                    epoch=request.epoch,
-                    step=request.step,
-                    detail=f"blocked {request.blocked_s:.2f}s in the step after {request.step}",
-                ),
-                timeout=2,
-            )
-
         self._stall_reported = True
         self.log.warning(
             "trainer blocked in a step",
@@ -848,29 +834,34 @@ class Agent:
             step=request.step,
             blocked_s=round(request.blocked_s, 2),
         )
-        await self._relay("ReportFault", stall)
+        detail = f"blocked {request.blocked_s:.2f}s in the step after {request.step}"
+        await self._observed(pb.FAULT_KIND_STALLED, request.epoch, request.step, detail)
 
     async def report_collective_failure(self, request: apb.LocalCollectiveFailureRequest) -> None:
         """A collective of the epoch failed in the trainer, which left the epoch and waits for the
         next: the coordinator replaces a lost member, or forms the same members again."""
+        self.log.warning(
+            "trainer's collective failed", epoch=request.epoch, step=request.step, detail=request.detail
+        )
+        await self._observed(pb.FAULT_KIND_COLLECTIVE_FAILED, request.epoch, request.step, request.detail)
 
-        def failed(stub: pb_grpc.CoordinatorStub, incarnation: int) -> Awaitable[pb.ReportFaultResponse]:
+    async def _observed(self, kind: pb.FaultKind, epoch: int, step: int, detail: str) -> None:
+        """Relay what the trainer observed (a stall, a failed collective) as a fault report."""
+
+        def report(stub: pb_grpc.CoordinatorStub, incarnation: int) -> Awaitable[pb.ReportFaultResponse]:
             return stub.ReportFault(
                 pb.ReportFaultRequest(
                     host_id=self.settings.host_id,
                     incarnation=incarnation,
-                    kind=pb.FAULT_KIND_COLLECTIVE_FAILED,
-                    epoch=request.epoch,
-                    step=request.step,
-                    detail=request.detail,
+                    kind=kind,
+                    epoch=epoch,
+                    step=step,
+                    detail=detail,
                 ),
                 timeout=2,
             )
 
-        self.log.warning(
-            "trainer's collective failed", epoch=request.epoch, step=request.step, detail=request.detail
-        )
-        await self._relay("ReportFault", failed)
+        await self._relay("ReportFault", report)
 
     async def finish(self, request: apb.LocalFinishRequest) -> None:
         """The trainer completed the job's last step: tell the coordinator, and from now on take no
