@@ -524,11 +524,13 @@ def test_the_last_step_is_stored_before_the_job_is_said_finished(cluster: Cluste
 
 @contextlib.asynccontextmanager
 async def two_members_in_a_live_epoch(
-    redis_server: RedisServer, job_id: str
+    redis_server: RedisServer, job_id: str, planner: PlannerSettings | None = None
 ) -> AsyncIterator[tuple[Coordinator, Member, Member, int]]:
     """A coordinator (world size 2) in this process, host-a and host-b registered, heartbeating and
     acknowledging the first epoch: it, them, and the epoch's number."""
-    settings = Settings(job_id=job_id, redis_url=redis_server.url, planner=PlannerSettings(world_size=2))
+    settings = Settings(
+        job_id=job_id, redis_url=redis_server.url, planner=planner or PlannerSettings(world_size=2)
+    )
     coordinator = Coordinator(settings, RedisStore(redis_server.url, job_id))
     await coordinator.start()
     try:
@@ -701,6 +703,47 @@ def test_a_collective_one_member_says_failed_waits_out_the_detection_window_then
     assert len([t for t, _ in seen if t < window]) >= 3  # it was looked at inside the window
     assert seen[-1][1] == epoch + 1 and seen[-1][0] >= window
     assert not dead
+
+
+def test_hosts_whose_collective_fails_in_every_epoch_they_are_re_formed_into_halt_the_job(
+    redis_server: RedisServer, job_id: str
+) -> None:
+    """A link among the same hosts that stays broken: every epoch they are re-formed into fails its
+    collective before any step. Past ``max_futile_reforms`` such re-forms the job halts with the
+    reason; a re-form after a step was completed starts the count again."""
+    planner = PlannerSettings(world_size=2, max_futile_reforms=2)
+
+    async def fail_everywhere(coordinator: Coordinator, members: tuple[Member, ...]) -> int:
+        epoch = coordinator.state.epoch
+        for m in members:
+            await coordinator.report_fault(
+                m.host_id, m.incarnation, FaultKind.COLLECTIVE_FAILED, epoch, 0, ""
+            )
+        await wait_async(lambda: coordinator.state.epoch > epoch, 5.0)
+        return coordinator.state.epoch
+
+    async def scenario() -> tuple[list[str], Topology | None]:
+        async with two_members_in_a_live_epoch(redis_server, job_id, planner) as (coordinator, a, b, _):
+            decisions = []
+            for step in (5, 9, 9, 9, 9):  # progress before the second failure, none after it
+                for m in (a, b):
+                    await coordinator.heartbeat(m.host_id, m.incarnation, step)
+                await fail_everywhere(coordinator, (a, b))
+                topology = coordinator.state.topology
+                assert topology is not None
+                decisions.append("halt" if topology.halted else topology.reason.split(":")[0])
+                if topology.halted:
+                    break
+            return decisions, coordinator.state.topology
+
+    decisions, final = asyncio.run(scenario())
+    # Re-formed at step 5, at step 9 (a step was completed between: the count starts again), then
+    # twice more at step 9 with nothing completed: the third failure without progress halts.
+    assert decisions == ["every member said a collective of epoch 1 failed"] + [
+        f"every member said a collective of epoch {e} failed" for e in (2, 3, 4)
+    ] + ["halt"], decisions
+    assert final is not None and final.halted
+    assert "fails every time" in final.reason and "host-a, host-b" in final.reason
 
 
 def test_every_survivors_report_of_a_failed_collective_costs_no_plan_of_its_own(

@@ -548,6 +548,17 @@ def test_a_reform_takes_in_the_spares_a_shrunk_job_can_grow_by() -> None:
     assert decision.hosts == ("a0", "a1", "s0", "s1")
 
 
+def test_hosts_re_formed_without_progress_too_often_halt_instead_of_forming_again() -> None:
+    settings = S()
+    state = formed(FOUR, epoch=9, restore_step=41)
+    again = plan(20.0, state, STEPS_41, settings, broken=Broken(9, 19.0, 4, settings.max_futile_reforms - 1))
+    assert again.kind is Kind.REFORM
+    halted = plan(20.0, state, STEPS_41, settings, broken=Broken(9, 19.0, 4, settings.max_futile_reforms))
+    assert halted.kind is Kind.HALT
+    assert "fails every time" in halted.reason and "since step 41" in halted.reason
+    assert "a0, a1, a2, a3" in halted.reason
+
+
 def test_halt_event_carries_an_empty_final_topology() -> None:
     state = formed(
         FOUR, epoch=4, states={"a0": DEAD, "a1": DEAD, "a2": DEAD}, waiting_since=0.0, restore_step=33

@@ -88,6 +88,9 @@ class Broken:
     since: float
     # How many members of the epoch said so.
     reported: int
+    # The re-forms in a row that led here whose epochs completed no step (the epoch's restore step
+    # is the one before): the same hosts failing a collective each time.
+    futile: int = 0
 
 
 @functools.lru_cache(maxsize=65536)
@@ -187,6 +190,15 @@ def plan(
                 Kind.HOLD,
                 f"{broken.reported} of {len(current)} members said a collective of epoch {topology.epoch} "
                 f"failed: waiting up to {settings.reform_after_s:g}s for the others or for a lost member",
+            )
+        if broken.futile >= settings.max_futile_reforms:
+            return Decision(
+                Kind.HALT,
+                f"halted: a collective of epoch {topology.epoch} failed, as in each of the "
+                f"{broken.futile} epochs these hosts were re-formed into before it, with no step "
+                f"completed since step {topology.restore_step}: a link among {', '.join(current)} "
+                "fails every time (check the network between them, or drain one), and forming them "
+                "again would not end it",
             )
         hosts = _grown(current, spares, settings)
         why = (

@@ -181,6 +181,9 @@ class Coordinator:
         # said so (in the order they did). Kept for the planner (``Broken``) until a new topology;
         # every survivor of every failure says so, so each look at it costs O(1), not O(fleet).
         self._broken: dict[int, dict[str, float]] = {}
+        # The re-forms in a row whose epochs completed no step, and the restore step of the last one.
+        self._futile_reforms = 0
+        self._reformed_at_step: int | None = None
         # Every open heartbeat stream of each host, oldest first: an agent that reconnects has two for
         # a moment, and a second stream (a reconnect, or anyone with the incarnation) ending says
         # nothing about the host while another one still carries its heartbeats.
@@ -459,6 +462,7 @@ class Coordinator:
                 self._send(member.host_id, member.incarnation, "drain", member.reason)
             if event.type in (EventType.TOPOLOGY_CHANGED, EventType.JOB_HALTED):
                 self.metrics.epochs_published.inc()
+                self._count_reforms(event)
             if event.type is EventType.JOB_FINISHED:
                 for stream in self._every_stream():
                     stream.command("finished", event.reason)
@@ -487,6 +491,19 @@ class Coordinator:
             self._tally = tally(base.members)
         return tally(state.members, self._tally, events)
 
+    def _count_reforms(self, event: Event) -> None:
+        """Count a new epoch's re-form in a row with the one before, unless a step was completed
+        between them (its restore step moved on); any other new epoch ends the row."""
+        topology = event.topology
+        if event.details.get("decision") != Kind.REFORM.value or topology is None:
+            self._futile_reforms, self._reformed_at_step = 0, None
+            return
+        last = self._reformed_at_step
+        self._futile_reforms = (
+            self._futile_reforms + 1 if last is not None and topology.restore_step <= last else 0
+        )
+        self._reformed_at_step = topology.restore_step
+
     def _plan_again(self, state: ClusterState, now: float) -> list[Event]:
         """No change but the clock's: plan it."""
         self._plan_now = True
@@ -497,7 +514,7 @@ class Coordinator:
         said = self._broken.get(state.epoch)
         if not said:
             return None
-        return Broken(state.epoch, next(iter(said.values())), len(said))
+        return Broken(state.epoch, next(iter(said.values())), len(said), self._futile_reforms)
 
     def _ready(self, state: ClusterState, events: Sequence[Event]) -> int | None:
         """The alive active members of ``state`` for the planner, from the kept tally (``_tally_of``);

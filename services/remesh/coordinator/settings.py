@@ -100,6 +100,10 @@ class PlannerSettings:
     # so themselves first, and leave it in-process, instead of being overtaken by the new epoch
     # (a step still blocked 0.2 s after a new epoch ends its process for the warm standby).
     reform_after_s: float = 3.0
+    # Re-forms in a row whose epochs completed no step (a collective fails among the same hosts every
+    # time: a link that stays broken) before the job halts with the reason, instead of forming the
+    # same hosts again forever; each takes seconds (3.6 s measured on CPU).
+    max_futile_reforms: int = 5
 
     def jax_port(self, job_id: str, epoch: int) -> int:
         return self.jax_port_base + (zlib.crc32(job_id.encode()) + epoch) % self.jax_port_span
