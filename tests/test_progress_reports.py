@@ -14,6 +14,7 @@ from concurrent import futures
 
 import grpc
 import pytest
+from structlog.testing import capture_logs
 
 from remesh.agent.daemon import Agent
 from remesh.agent.settings import AgentSettings
@@ -153,9 +154,12 @@ def test_a_failed_collective_is_reported_as_one_line_of_plain_text(agent: tuple[
 def test_a_collective_failure_report_nobody_receives_is_logged_not_raised() -> None:
     trainer = client("127.0.0.1:1", every=300.0)  # nothing listens there
     try:
-        trainer.report_collective_failure(1, 15, "timed out")  # the trainer goes on waiting for an epoch
+        with capture_logs() as logs:
+            trainer.report_collective_failure(1, 15, "timed out")  # the trainer goes on waiting
     finally:
         trainer.close()
+    [warning] = [e for e in logs if e["event"] == "collective failure report not delivered"]
+    assert (warning["epoch"], warning["step"], warning["log_level"]) == (1, 15, "warning")
 
 
 def test_a_negative_progress_interval_is_refused() -> None:

@@ -377,6 +377,8 @@ def report_fault(
         if topology is not None and in_topology
         else []
     )
+    # The report is of the epoch that runs now, from one of its members.
+    running = topology is not None and not topology.halted and epoch == topology.epoch and in_topology
     if kind is FaultKind.STALLED:
         # An observation the detector weighs (``detector.judge_stalls``), never a fault by itself.
         return FaultOutcome([], False, f"{host_id} reported its trainer blocked in epoch {epoch}")
@@ -384,13 +386,7 @@ def report_fault(
         # An observation too: the trainer left the epoch in-process and waits for the next one. A
         # member lost explains the failure and is replaced; when every member reported it, or none
         # was lost within the detection window, the planner forms the same members again.
-        if (
-            topology is None
-            or topology.halted
-            or epoch != topology.epoch
-            or not in_topology
-            or state.finished
-        ):
+        if not running or state.finished:
             return FaultOutcome(
                 [],
                 False,
@@ -413,8 +409,7 @@ def report_fault(
         # one in memory, and no committed checkpoint is readable. Starting from step 0 would
         # silently throw the run away, and no other epoch can find more state than this one did:
         # the job halts, saying why.
-        current = topology is not None and not topology.halted and epoch == topology.epoch and in_topology
-        if not current:
+        if not running:
             reason = f"state_lost for epoch {epoch} from {host_id}: not the current epoch, ignored"
             return FaultOutcome(
                 [_fault_event(now, state, host_id, incarnation, reason, details)], False, reason
@@ -436,7 +431,7 @@ def report_fault(
         # epoch refused (``ClusterState.address_refused_epoch``) and the planner forms the same
         # members into a new epoch on another port; any other such report changes nothing.
         dead = False
-        if topology is not None and not topology.halted and epoch == topology.epoch and rank0 == host_id:
+        if topology is not None and running and rank0 == host_id:
             reason = (
                 f"address_in_use: {topology.jax_coordinator_address} of epoch {epoch} is taken on "
                 f"{host_id}; the same members move to a new address"

@@ -577,8 +577,7 @@ class Coordinator:
         judged = {v.host_id for v in silent}
         for host_id in due:
             self._liveness.reschedule(host_id, now, judged=host_id in judged)
-        epoch = self.state.epoch
-        failed = self._broken.get(epoch, {})
+        failed = self._broken.get(self.state.epoch, {})
         verdicts = silent + judge_stalls(
             now, self.state, self._stalls, self._steps, self.settings.detector, self._idle, failed
         )
@@ -800,12 +799,13 @@ class Coordinator:
             said = self._broken.setdefault(epoch, {}) if result.broken else {}
             if result.broken and host_id not in said:
                 said[host_id] = now
+                self.metrics.collective_failures.inc()
                 log.warning("collective failed", host=host_id, epoch=epoch, detail=detail)
                 # No event: the planner weighs the reports. Planned again when they start its window
                 # and when the last member's completes them (a plan reads the whole fleet; the
                 # detector's ticks plan meanwhile, while the plan holds).
-                members = len(s.topology.host_ids) if s.topology is not None else 0
-                if len(said) == 1 or len(said) >= members:
+                assert s.topology is not None  # a report of the running epoch (result.broken)
+                if len(said) == 1 or len(said) >= len(s.topology.host_ids):
                     self._plan_now = True
             if result.halt is None:
                 return result.events, result
@@ -814,10 +814,7 @@ class Coordinator:
             )
             return result.events + halt, result
 
-        first = host_id not in self._broken.get(epoch, {})
         _, outcome = await self._change_with(transition)
-        if outcome.broken and first:
-            self.metrics.collective_failures.inc()
         return outcome
 
     async def ack_epoch(
