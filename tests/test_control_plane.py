@@ -788,7 +788,9 @@ def test_every_survivors_report_of_a_failed_collective_costs_no_plan_of_its_own(
             )
             monkeypatch.setattr(service_module, "plan", counted)
             t0 = time.monotonic()
-            await asyncio.gather(
+            # Bounded, so that a call that never returns fails here, with its place, not at the
+            # test's timeout (one CI run hung somewhere in this test after the new epoch).
+            reports = asyncio.gather(
                 *(
                     coordinator.report_fault(
                         m.host_id, m.incarnation, FaultKind.COLLECTIVE_FAILED, epoch, 0, ""
@@ -796,11 +798,12 @@ def test_every_survivors_report_of_a_failed_collective_costs_no_plan_of_its_own(
                     for m in members
                 )
             )
+            await asyncio.wait_for(reports, 30.0)
             await wait_async(lambda: coordinator.state.epoch > epoch, 10.0)
             took = time.monotonic() - t0
             return epoch, list(plans), coordinator.state.topology, took
         finally:
-            await coordinator.stop()
+            await asyncio.wait_for(coordinator.stop(), 30.0)
 
     epoch, kinds, topology, took = asyncio.run(scenario())
     assert topology is not None and topology.epoch == epoch + 1
