@@ -32,7 +32,7 @@ lint: $(BIN)/.installed
 # Two workers (pytest-xdist), each taking a whole test module at a time: a module's fixtures (a clean
 # run to compare with, a Redis) are made once.
 test: lint
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -rs -n 2 --dist loadfile
 	$(MAKE) lowest
 
 lowest:
