@@ -62,9 +62,53 @@ def host_ids(count: int, prefix: str = "sim") -> list[str]:
 _TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
+class _Output:
+    """What a simulator tells its orchestrator, a JSON line a document, written to standard output by a
+    thread of its own, as many lines at a time as have come. A new epoch is a line from each of
+    thousands of agents: written and flushed one by one on the event loop (which blocked whenever the
+    orchestrator's pipe was full), they held up the agents' reading of the next messages on their
+    streams, the fan-out being measured. Each receipt's time is taken when its agent reads it."""
+
+    def __init__(self) -> None:
+        self._lines: list[str] = []
+        self._closing = False
+        self._ready = threading.Condition()
+        self._thread = threading.Thread(target=self._write, name="output", daemon=True)
+        self._thread.start()
+
+    def emit(self, doc: dict[str, Any]) -> None:
+        line = json.dumps(doc, separators=(",", ":")) + "\n"
+        with self._ready:
+            self._lines.append(line)
+            self._ready.notify()
+
+    def close(self) -> None:
+        """Every line emitted so far is written before this returns."""
+        with self._ready:
+            self._closing = True
+            self._ready.notify()
+        self._thread.join(timeout=30)
+
+    def _write(self) -> None:
+        while True:
+            with self._ready:
+                while not self._lines and not self._closing:
+                    self._ready.wait()
+                lines, self._lines = self._lines, []
+                closing = self._closing
+            if lines:
+                sys.stdout.write("".join(lines))
+                sys.stdout.flush()
+            if closing and not lines:
+                return
+
+
+_output: _Output | None = None
+
+
 def _emit(doc: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(doc, separators=(",", ":")) + "\n")
-    sys.stdout.flush()
+    assert _output is not None, "a simulator's output starts in main()"
+    _output.emit(doc)
 
 
 class SimAgent:
@@ -440,7 +484,12 @@ def main() -> int:
     )
     args = parser.parse_args()
     os.environ.setdefault("GRPC_VERBOSITY", "NONE")
-    asyncio.run(_simulate(args))
+    global _output
+    _output = _Output()
+    try:
+        asyncio.run(_simulate(args))
+    finally:
+        _output.close()
     return 0
 
 

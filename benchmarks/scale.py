@@ -10,13 +10,18 @@ detection (SIGKILL-like: a simulated agent's connection closes -> member_dead), 
 agent stops sending -> member_dead), false positives (anyone else declared dead; their declarations
 counted by phase, forming / steady / correlated, and by reason, stream broke / silence), fan-out (the new
 epoch's topology event -> every simulated agent holding it), and one correlated failure (a tenth of
-the active hosts at once: epochs published, time to the new epoch live).
+the active hosts at once: epochs published, time to the new epoch live). Then, as the fan-out's
+baseline, gRPC's own (``benchmarks/fanout_floor.py``, ``--floor-rounds`` rounds, the coordinator and
+its fleet stopped): one message written to as many streams from two client processes beside as many
+heartbeats, with nothing of remesh's on the server; ``fanout_floor_p99_s`` and
+``fanout_floor_write_s`` in the figures.
 
 The heartbeat interval grows with the fleet (the coordinator's ``--fleet-size`` and
 ``--heartbeat-budget``): a coordinator ingests about ``--beats-per-second`` heartbeats whatever the size; crash detection does not wait for heartbeats
 (the closed stream is the signal), silent detection does (six intervals).
 
     python benchmarks/scale.py [--hosts 1000,2000] [--crashes 5] [--silent 3] [--ack-delay 1.0]
+        [--floor-rounds 3]
 
 A simulated trainer acknowledges a new epoch ``--ack-delay`` to twice that after its agent received
 it, as a real one does once it has re-meshed and restored (the demo's trainers: about 1.2 s); with
@@ -50,6 +55,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.fanout_floor import measure_floor  # noqa: E402
 from benchmarks.fleet import Fleet, host_ids  # noqa: E402
 from remesh.cli.logs import configure_logging  # noqa: E402
 from remesh.coordinator.settings import DetectorSettings  # noqa: E402
@@ -382,6 +388,12 @@ def main() -> int:
         help="seconds (to twice that) a simulated trainer re-meshes before acknowledging an epoch; 0: at once",
     )
     parser.add_argument("--seed", type=int, default=5)
+    parser.add_argument(
+        "--floor-rounds",
+        type=int,
+        default=3,
+        help="rounds of gRPC's own fan-out to as many streams after each size (benchmarks/fanout_floor.py); 0: none",
+    )
     args = parser.parse_args()
     configure_logging(level="warning")
     rng = random.Random(args.seed)
@@ -399,10 +411,19 @@ def main() -> int:
                     failed[hosts] = str(exc)
                 finally:
                     run.close()
+            if args.floor_rounds > 0 and hosts not in failed:
+                # The baseline, with the coordinator and its fleet gone: gRPC alone writing one message
+                # to as many streams, from as many client processes, beside as many heartbeats.
+                progress(f"  {hosts} streams: gRPC's own fan-out, {args.floor_rounds} rounds")
+                floor = measure_floor(hosts, 2, args.beats_per_second, args.floor_rounds)
+                results[-1]["fanout_floor_p99_s"] = floor["receive_p99_s"]
+                results[-1]["fanout_floor_write_s"] = floor["write_all_s_p50"]
+            elif results and "fanout_floor_p99_s" not in results[-1]:
+                results[-1]["fanout_floor_p99_s"] = float("nan")
     columns = [
         ("hosts", "hosts"), ("heartbeat_interval_s", "beat s"), ("ingest_per_s", "beats/s"),
         ("cpu_cores", "coord cores"), ("redis_mb", "redis MiB"), ("crash_detect_p99_s", "crash p99"),
-        ("silent_detect_p99_s", "silent p99"), ("fanout_p99_s", "fan-out p99"), ("false_positives", "false +"),
+        ("silent_detect_p99_s", "silent p99"), ("fanout_p99_s", "fan-out p99"), ("fanout_floor_p99_s", "gRPC floor"), ("false_positives", "false +"),
         ("epochs_for_correlated_failure", "epochs (10%)"), ("correlated_failure_to_live_s", "10% to live"),
     ]  # fmt: skip
     print("  ".join(f"{title:>12}" for _, title in columns))

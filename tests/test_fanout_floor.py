@@ -1,0 +1,16 @@
+"""The fan-out baseline of benchmarks/scale.py (benchmarks/fanout_floor.py) runs end to end at a small
+size: a real gRPC server with mutual TLS, two client processes, every stream written to and read."""
+
+from __future__ import annotations
+
+from benchmarks.fanout_floor import measure_floor
+
+
+def test_the_grpc_floor_writes_to_every_stream_and_every_client_reads_it() -> None:
+    figures = measure_floor(120, clients=2, beats_per_second=240.0, rounds=2)
+    assert figures["streams"] == 120 and figures["rounds"] == 2
+    # Each round waits for the server's last write and for every stream's receipt (a lost one times
+    # out), so figures exist only for rounds every stream completed.
+    assert 0 < figures["write_all_s_p50"] < 30
+    assert 0 < figures["receive_p99_s"] < 30
+    assert figures["write_cpu_us_per_stream"] > 0
