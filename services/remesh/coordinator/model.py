@@ -432,9 +432,65 @@ def tally(members: Mapping[str, Member], since: Tally | None = None, events: Ite
     return Tally(members, +counts)
 
 
+# Events ``replay`` folds with ``apply`` itself: they replace the members or the acknowledgements
+# wholesale.
+_FOLDED_WHOLE = frozenset({EventType.LOG_COMPACTED, EventType.TOPOLOGY_CHANGED, EventType.JOB_HALTED})
+# Events whose fold changes a field of the state besides the members and the acknowledgements.
+_FOLDED_FIELDS = frozenset(
+    {
+        EventType.JOB_WAITING,
+        EventType.EPOCH_LIVE,
+        EventType.FAULT_REPORTED,
+        EventType.CHECKPOINT_COMMITTED,
+        EventType.JOB_FINISHED,
+    }
+)
+
+
 def replay(events: Iterable[Event], start: ClusterState | None = None) -> ClusterState:
-    """Rebuild the state from the event log (a fold of ``apply``)."""
+    """Rebuild the state from the event log: ``apply`` folded over ``events``, with the members and
+    the acknowledgements copied once for a run of events instead of once for each. A correlated
+    failure of 900 hosts among 10,000 members is 1800 member events, and the coordinator replays a
+    change's events more than once (to plan it, to store it): a copy of 10,000 records each."""
     state = start or ClusterState()
+    # This replay's own copies of the state's members and acknowledgements, once an event changed them.
+    members: dict[str, Member] | None = None
+    acks: dict[str, int] | None = None
     for event in events:
-        state = apply(state, event)
-    return state
+        if event.type in _FOLDED_WHOLE:
+            state = _with(state, members, acks)
+            members = acks = None
+            state = apply(state, event)
+            continue
+        if event.type is EventType.MEMBER_FORGOTTEN:  # as ``apply``: its record goes, its member unused
+            members = dict(state.members) if members is None else members
+            acks = dict(state.acks) if acks is None else acks
+            members.pop(event.host_id, None)
+            acks.pop(event.host_id, None)
+            if event.incarnation > state.incarnation_floor:
+                state = replace(state, incarnation_floor=event.incarnation)
+            continue
+        if event.member is not None:
+            if members is None:
+                members = dict(state.members)
+            members[event.member.host_id] = event.member
+        if event.type is EventType.EPOCH_ACKED:
+            if acks is None:
+                acks = dict(state.acks)
+            acks[event.host_id] = event.epoch
+        elif event.type in _FOLDED_FIELDS:
+            # Its member (if any) is in ``members`` already: apply folds the rest.
+            state = apply(state, replace(event, member=None) if event.member is not None else event)
+    return _with(state, members, acks)
+
+
+def _with(
+    state: ClusterState, members: dict[str, Member] | None, acks: dict[str, int] | None
+) -> ClusterState:
+    if members is None and acks is None:
+        return state
+    return replace(
+        state,
+        members=state.members if members is None else members,
+        acks=state.acks if acks is None else acks,
+    )
