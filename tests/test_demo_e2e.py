@@ -149,9 +149,13 @@ def test_demo_recovers_a_killed_host_and_reports_what_the_event_log_says(tmp_pat
     # snapshot. The runner kills once it sees step 25, and on a busy machine the job is a few steps
     # further when the kill lands (one CI run: killed at step 27, the snapshot of step 25
     # restored, 2 steps lost); the snapshot of the step the kill lands on may still be on its way,
-    # and the one before it is then the newest whole one.
+    # and the one before it is then the newest whole one. The survivor's own snapshot comes from its
+    # trainer's memory when that trainer takes the new epoch in process, or from /dev/shm when its
+    # warm standby does (the trainer was still blocked in the failed step when the epoch came): which
+    # one depends on when the collective's timeout lands (one CI run: memory).
     assert "hot spare spare-0 takes rank 1 of host-1" in f["topology_reason"]
-    assert set(f["restore_sources"]) in ({"host-shm", "peer"}, {"gcs"}), f["restore_sources"]
+    sources = set(f["restore_sources"])
+    assert sources in ({"memory", "peer"}, {"host-shm", "peer"}, {"gcs"}), sources
     assert f["restored_step"] % SNAPSHOT_EVERY == 0, f["restored_step"]
     assert f["steps_lost"] == f["step_at_failure"] - f["restored_step"]
     assert 0 <= f["steps_lost"] <= SNAPSHOT_EVERY, f
