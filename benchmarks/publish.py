@@ -88,7 +88,6 @@ async def _measure(redis_url: str, members: int, rounds: int) -> dict[str, float
         await acknowledge()
         publish, acks = [], []
         for round_ in range(rounds):
-            await asyncio.sleep(1.0)
             topology = coordinator.state.topology
             assert topology is not None
             leaving = topology.host_ids[len(topology.host_ids) // 2]

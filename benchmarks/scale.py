@@ -418,8 +418,6 @@ def main() -> int:
                 floor = measure_floor(hosts, 2, args.beats_per_second, args.floor_rounds)
                 results[-1]["fanout_floor_p99_s"] = floor["receive_p99_s"]
                 results[-1]["fanout_floor_write_s"] = floor["write_all_s_p50"]
-            elif results and "fanout_floor_p99_s" not in results[-1]:
-                results[-1]["fanout_floor_p99_s"] = float("nan")
     columns = [
         ("hosts", "hosts"), ("heartbeat_interval_s", "beat s"), ("ingest_per_s", "beats/s"),
         ("cpu_cores", "coord cores"), ("redis_mb", "redis MiB"), ("crash_detect_p99_s", "crash p99"),
@@ -430,7 +428,8 @@ def main() -> int:
     for r in results:
         print(
             "  ".join(
-                f"{r[key]:>12.3f}" if isinstance(r[key], float) else f"{r[key]:>12}" for key, _ in columns
+                f"{v:>12.3f}" if isinstance(v, float) else f"{v:>12}"
+                for v in (r.get(key, float("nan")) for key, _ in columns)
             )
         )
     for hosts, why in failed.items():

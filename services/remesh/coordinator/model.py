@@ -433,8 +433,10 @@ def tally(members: Mapping[str, Member], since: Tally | None = None, events: Ite
 
 
 # Events ``replay`` folds with ``apply`` itself: they replace the members or the acknowledgements
-# wholesale.
-_FOLDED_WHOLE = frozenset({EventType.LOG_COMPACTED, EventType.TOPOLOGY_CHANGED, EventType.JOB_HALTED})
+# wholesale, or remove a record from them (rare: a member kept past its retention).
+_FOLDED_WHOLE = frozenset(
+    {EventType.LOG_COMPACTED, EventType.TOPOLOGY_CHANGED, EventType.JOB_HALTED, EventType.MEMBER_FORGOTTEN}
+)
 # Events whose fold changes a field of the state besides the members and the acknowledgements.
 _FOLDED_FIELDS = frozenset(
     {
@@ -461,14 +463,6 @@ def replay(events: Iterable[Event], start: ClusterState | None = None) -> Cluste
             state = _with(state, members, acks)
             members = acks = None
             state = apply(state, event)
-            continue
-        if event.type is EventType.MEMBER_FORGOTTEN:  # as ``apply``: its record goes, its member unused
-            members = dict(state.members) if members is None else members
-            acks = dict(state.acks) if acks is None else acks
-            members.pop(event.host_id, None)
-            acks.pop(event.host_id, None)
-            if event.incarnation > state.incarnation_floor:
-                state = replace(state, incarnation_floor=event.incarnation)
             continue
         if event.member is not None:
             if members is None:
