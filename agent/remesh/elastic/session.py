@@ -616,10 +616,12 @@ class Session:
         self._saving: Future[None] | None = None
         # Buddy copies on their way, oldest first.
         self._copying: collections.deque[Future[None]] = collections.deque()
-        # Fault injection (tests, benchmarks): every buddy copy first sleeps this long, as over a
-        # slow network.
+        # Fault injection (tests, benchmarks): every buddy copy first sleeps this long, and at least
+        # 2.5 times the loop's interval since the copy before, its waits for copies left out (as over
+        # a network slower than the loop, however fast or slow the machine runs it).
         self._told_slow_copies = False
         self._copy_delay_s = float(os.environ.get("REMESH_FAULT_BUDDY_COPY_DELAY_S", "0") or 0)
+        self._copy_asked_at: tuple[int, float] | None = None  # (epoch, when)
         # ... and compiling a step of the user's loop (``Epoch.jit``) first sleeps this long, as on a
         # slower or busier host.
         self._compile_delay_s = float(os.environ.get("REMESH_FAULT_COMPILE_DELAY_S", "0") or 0)
@@ -1602,6 +1604,7 @@ class Session:
         assert self._buddy is not None
         while self._copying and self._copying[0].done():
             self._copying.popleft().result()
+        waited = 0.0
         if len(self._copying) >= 2:
             waited = self._wait_for(self._copying, assignment.epoch, "buddy copy")
             self.stats["buddy_wait_s"] += waited
@@ -1615,16 +1618,25 @@ class Session:
                     waited_s=round(waited, 3),
                 )
         buddy, keys = self._buddy
+        delay = 0.0
+        if self._copy_delay_s:
+            now = time.monotonic()
+            # The loop's own pace: the time it waited for copies left out (it would feed back).
+            last = self._copy_asked_at
+            since = now - last[1] - waited if last is not None and last[0] == assignment.epoch else 0.0
+            delay, self._copy_asked_at = max(self._copy_delay_s, 2.5 * since), (assignment.epoch, now)
         self._copying.append(
-            self._copier.submit(self._copy_buddy, self._peers[buddy], (step, assignment.epoch), keys)
+            self._copier.submit(self._copy_buddy, self._peers[buddy], (step, assignment.epoch), keys, delay)
         )
 
-    def _copy_buddy(self, address: str, point: RestorePoint, keys: list[tuple[int, Cell]]) -> None:
+    def _copy_buddy(
+        self, address: str, point: RestorePoint, keys: list[tuple[int, Cell]], delay_s: float = 0.0
+    ) -> None:
         """Copy the buddy's own pieces of ``point``. The peer takes its snapshot of the step once the
         step is done there: until then it answers that it does not hold it, so ask again, until it
         does or the epoch ends (a peer that never has it is gone, or stuck: a new epoch follows)."""
-        if self._copy_delay_s:
-            time.sleep(self._copy_delay_s)
+        if delay_s:
+            time.sleep(delay_s)
         deadline = time.monotonic() + max(self.policy.init_timeout_s, 10.0)
         while True:
             try:
