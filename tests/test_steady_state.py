@@ -4,6 +4,7 @@ coordinator, whose snapshot writer is made deliberately slow, keeps stepping whi
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import tempfile
 import textwrap
@@ -102,6 +103,59 @@ def test_steps_go_on_while_a_slow_snapshot_is_written_and_snapshots_are_skipped_
     assert events[-1] == ["skipped", STEPS - len(writes)]
     # A snapshot is only kept once whole: the final one ended before the job reported its end.
     assert events.index(["write-end", STEPS]) < events.index(["step", STEPS])
+
+
+_TENSORSTORE_PRIORITIES = textwrap.dedent(
+    """
+    import glob, json, os, sys, tempfile
+    from concurrent.futures import ThreadPoolExecutor
+    import jax, jax.numpy as jnp
+    from remesh.elastic.checkpoints import LocalCheckpoints
+    from remesh.elastic.exchange import lower_priority
+
+    def workers():
+        nice = []
+        for task in glob.glob("/proc/self/task/*"):
+            if open(task + "/comm").read().startswith("ts_pool_worker"):
+                nice.append(os.getpriority(os.PRIO_PROCESS, int(os.path.basename(task))))
+        return sorted(nice)
+
+    store = LocalCheckpoints(tempfile.mkdtemp())
+    state = {f"w{i}": jnp.full((512, 64), float(i)) for i in range(6)}
+    # On the loop's own thread, as a trainer restoring its first epoch from a checkpoint does: this
+    # starts tensorstore's workers, at the loop's priority.
+    store.save(1, 0, state)
+    restored = store.restore_state(1, state)
+    first = workers()
+    background = ThreadPoolExecutor(1, initializer=lower_priority)
+    background.submit(store.save, 2, 0, state).result()
+    after_save = workers()
+    print(json.dumps({
+        "base": os.getpriority(os.PRIO_PROCESS, 0),
+        "saver": background.submit(lambda: os.getpriority(os.PRIO_PROCESS, 0)).result(),
+        "first": first, "after_save": after_save,
+        "restored": float(restored["w5"][0, 0]),
+    }))
+    """
+)
+
+
+def test_tensorstores_workers_started_by_a_restore_write_background_saves_at_the_savers_priority() -> None:
+    """Tensorstore (Orbax's I/O) starts its worker threads on first use, at the priority of the
+    thread that used it. A trainer that restored from a checkpoint on its loop's thread would run
+    every later background save's I/O at the step's priority, taking cores from the step: a save
+    from the background thread moves those workers down to its own priority first."""
+    done = subprocess.run(
+        [sys.executable, "-c", _TENSORSTORE_PRIORITIES], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["restored"] == 5.0
+    assert got["saver"] > got["base"], got  # the background thread runs below the loop
+    # The restore on the loop's thread started workers at the loop's priority ...
+    assert got["first"] and min(got["first"]) == got["base"], got
+    # ... and the background save moved every one of them to its own before writing.
+    assert got["after_save"] and min(got["after_save"]) >= got["saver"], got
 
 
 def test_a_policy_whose_buddy_copies_fall_between_snapshots_is_refused() -> None:

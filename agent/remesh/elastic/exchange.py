@@ -33,6 +33,7 @@ __all__ = [
     "Pieces",
     "RestorePoint",
     "advertised_host",
+    "demote_threads",
     "fetch",
     "lower_priority",
 ]
@@ -156,6 +157,34 @@ def lower_priority(by: int = 9) -> None:
         os.setpriority(os.PRIO_PROCESS, me, min(19, os.getpriority(os.PRIO_PROCESS, me) + by))
     except (AttributeError, OSError):
         pass
+
+
+def demote_threads(prefix: str) -> int:
+    """Give every thread of this process whose name starts with ``prefix`` at least the calling
+    thread's niceness; returns how many were lowered (Linux only; elsewhere, and where a thread is
+    gone meanwhile, nothing happens).
+
+    For pools that C++ libraries start on first use: their workers keep the priority of the thread
+    that happened to start them. Tensorstore's (Orbax's I/O) started by a restore on the training
+    loop's thread would otherwise run every later background save at the step's priority."""
+    try:
+        mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        tasks = os.listdir("/proc/self/task")
+    except (AttributeError, OSError):
+        return 0
+    lowered = 0
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                if not f.read().startswith(prefix):
+                    continue
+            tid = int(task)
+            if os.getpriority(os.PRIO_PROCESS, tid) < mine:
+                os.setpriority(os.PRIO_PROCESS, tid, mine)
+                lowered += 1
+        except (OSError, ValueError):
+            continue
+    return lowered
 
 
 def advertised_host(peer: str) -> str:

@@ -11,7 +11,7 @@ import hashlib
 import json
 import re
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from remesh.elastic.errors import (
     NoViableCheckpoint,
     StaleEpoch,
 )
-from remesh.elastic.exchange import Pieces
+from remesh.elastic.exchange import Pieces, demote_threads
 from remesh.elastic.sharding import build, covers
 from remesh.elastic.snapshots import fits, read_pieces
 
@@ -180,8 +180,24 @@ def _orbax(compress: bool = False) -> Any:
     return ocp.Checkpointer(handler, multiprocessing_options=options)
 
 
+# The name tensorstore (Orbax's I/O) gives the workers of its thread pool.
+_TENSORSTORE_WORKERS = "ts_pool_worker"
+
+
+@contextlib.contextmanager
+def _at_callers_priority() -> Iterator[None]:
+    """Tensorstore's workers at (at most) the calling thread's priority while it writes: a save in
+    the background writes at the background's priority, whoever started the workers. Again after,
+    for any a worker started meanwhile."""
+    demote_threads(_TENSORSTORE_WORKERS)
+    try:
+        yield
+    finally:
+        demote_threads(_TENSORSTORE_WORKERS)
+
+
 def _orbax_save(path: Path, state: PyTree, compress: bool) -> None:
-    with _orbax(compress) as checkpointer:
+    with _at_callers_priority(), _orbax(compress) as checkpointer:
         checkpointer.save(path, args=ocp.args.PyTreeSave(state))
 
 
@@ -302,7 +318,7 @@ class Checkpoints(abc.ABC):
     def write_global(self, step: int, state: PyTree) -> None:
         """Every process: write its own shards of ``state`` (``jax.Array`` leaves) into the step."""
         path = self._global_dir(step) / STATE
-        with _orbax_global(self.compress) as checkpointer:
+        with _at_callers_priority(), _orbax_global(self.compress) as checkpointer:
             checkpointer.save(path, args=ocp.args.PyTreeSave(state))
 
     def write_pieces(self, step: int, rank: int, layout: int, pieces: Pieces) -> int:
