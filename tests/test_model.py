@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from remesh.coordinator.model import (
     ClusterState,
     Event,
     EventType,
+    Fold,
     Member,
     MemberState,
     Role,
@@ -162,6 +164,25 @@ def test_replay_is_a_fold_of_apply(log: list[Event], cut: int) -> None:
     assert replay(log) == functools.reduce(apply, log, ClusterState())
     assert replay(log[cut:], replay(log[:cut])) == replay(log)
     assert replay([]) == ClusterState()
+
+
+@given(st.lists(events, max_size=16), st.lists(st.integers(min_value=0, max_value=16), max_size=4))
+def test_a_fold_in_instalments_is_the_replay_and_leaves_its_start_alone(
+    log: list[Event], cuts: list[int]
+) -> None:
+    """``Fold.add`` batch after batch (as a batch commit folds each queued change's events) gives
+    what one replay gives after every batch, though it changes its own copies in place; the state
+    it started from is never changed."""
+    log = _well_formed(log)
+    half = len(log) // 2
+    start = replay(log[:half])
+    start_json = json.dumps(start.to_dict(), sort_keys=True)
+    fold = Fold(start)
+    bounds = [half, *sorted(half + c for c in cuts if half + c <= len(log)), len(log)]
+    for lo, hi in itertools.pairwise(bounds):
+        assert fold.add(log[lo:hi]) == replay(log[:hi]) == fold.state
+    assert json.dumps(start.to_dict(), sort_keys=True) == start_json
+    assert start == replay(log[:half])
 
 
 @given(st.lists(events, max_size=12), st.integers(min_value=0, max_value=12))

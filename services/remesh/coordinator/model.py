@@ -22,6 +22,7 @@ __all__ = [
     "Event",
     "EventType",
     "FaultDetails",
+    "Fold",
     "Member",
     "MemberState",
     "Role",
@@ -454,37 +455,49 @@ def replay(events: Iterable[Event], start: ClusterState | None = None) -> Cluste
     the acknowledgements copied once for a run of events instead of once for each. A correlated
     failure of 900 hosts among 10,000 members is 1800 member events, and the coordinator replays a
     change's events more than once (to plan it, to store it): a copy of 10,000 records each."""
-    state = start or ClusterState()
-    # This replay's own copies of the state's members and acknowledgements, once an event changed them.
-    members: dict[str, Member] | None = None
-    acks: dict[str, int] | None = None
-    for event in events:
-        if event.type in _FOLDED_WHOLE:
-            state = _with(state, members, acks)
-            members = acks = None
-            state = apply(state, event)
-            continue
-        if event.member is not None:
-            if members is None:
-                members = dict(state.members)
-            members[event.member.host_id] = event.member
-        if event.type is EventType.EPOCH_ACKED:
-            if acks is None:
-                acks = dict(state.acks)
-            acks[event.host_id] = event.epoch
-        elif event.type in _FOLDED_FIELDS:
-            # Its member (if any) is in ``members`` already: apply folds the rest.
-            state = apply(state, replace(event, member=None) if event.member is not None else event)
-    return _with(state, members, acks)
+    return Fold(start or ClusterState()).add(events)
 
 
-def _with(
-    state: ClusterState, members: dict[str, Member] | None, acks: dict[str, int] | None
-) -> ClusterState:
-    if members is None and acks is None:
-        return state
-    return replace(
-        state,
-        members=state.members if members is None else members,
-        acks=state.acks if acks is None else acks,
-    )
+class Fold:
+    """``replay`` in instalments: ``add`` folds a batch of events into the state that the batches
+    before it produced. The members and the acknowledgements are copied the first time an event
+    changes them and changed in place after that, across batches: a batch commit of 10,000
+    acknowledgements, each checked against the state the ones before it made, copies the
+    acknowledgements once, not once each.
+
+    So every state it hands out shares those copies with the ones after it: only the newest is
+    the state it says (the state it started from is never changed)."""
+
+    def __init__(self, start: ClusterState) -> None:
+        self.state = start
+        # The mappings this fold copied itself, and may change in place.
+        self._members: dict[str, Member] | None = None
+        self._acks: dict[str, int] | None = None
+
+    def _own_members(self) -> dict[str, Member]:
+        if self._members is None or self.state.members is not self._members:
+            self._members = dict(self.state.members)
+            self.state = replace(self.state, members=self._members)
+        return self._members
+
+    def _own_acks(self) -> dict[str, int]:
+        if self._acks is None or self.state.acks is not self._acks:
+            self._acks = dict(self.state.acks)
+            self.state = replace(self.state, acks=self._acks)
+        return self._acks
+
+    def add(self, events: Iterable[Event]) -> ClusterState:
+        for event in events:
+            if event.type in _FOLDED_WHOLE:
+                self.state = apply(self.state, event)
+                continue
+            if event.member is not None:
+                self._own_members()[event.member.host_id] = event.member
+            if event.type is EventType.EPOCH_ACKED:
+                self._own_acks()[event.host_id] = event.epoch
+            elif event.type in _FOLDED_FIELDS:
+                # Its member (if any) is in the members already: apply folds the rest.
+                self.state = apply(
+                    self.state, replace(event, member=None) if event.member is not None else event
+                )
+        return self.state

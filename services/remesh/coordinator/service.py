@@ -40,6 +40,7 @@ from remesh.coordinator.model import (
     ClusterState,
     Event,
     EventType,
+    Fold,
     Member,
     MemberState,
     Role,
@@ -134,9 +135,10 @@ def _quiet(bell: asyncio.Future[bool]) -> None:
 def _declare_all(now: float, state: ClusterState, verdicts: list[Verdict]) -> list[Event]:
     """The events of every verdict, each checked against the state the ones before it produced."""
     events: list[Event] = []
+    fold = Fold(state)
     for v in verdicts:
-        found = membership.declare(now, state, v.host_id, v.incarnation, v.state, v.reason)
-        state = replay(found, state)
+        found = membership.declare(now, fold.state, v.host_id, v.incarnation, v.state, v.reason)
+        fold.add(found)
         events += found
     return events
 
@@ -869,6 +871,7 @@ class Coordinator:
             ) -> tuple[list[Event], list[tuple[bool, Any]]]:
                 events: list[Event] = []
                 answers: list[tuple[bool, Any]] = []
+                fold = Fold(s)
                 for queued in batch:
                     if queued.answer.done():
                         # Its caller went away before the commit (a deadline ran out in a registration
@@ -878,12 +881,12 @@ class Coordinator:
                         answers.append((False, None))
                         continue
                     try:
-                        found, answer = queued.transition(s, now)
+                        found, answer = queued.transition(fold.state, now)
                     except CoordinatorError as exc:
                         answers.append((False, exc))
                         continue
                     answers.append((True, answer))
-                    s = replay(found, s)
+                    fold.add(found)
                     events += found
                 return events, answers
 
