@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from remesh.coordinator.goodput import BADPUT, compute
+from remesh.coordinator.goodput import BADPUT, Log, compute
 from remesh.coordinator.model import Event, EventType, Topology, TopologyMember
 
 
@@ -83,6 +85,18 @@ def test_one_failure_worked_out_by_hand() -> None:
     assert r.to_dict()["to_live_s"] == pytest.approx(10.0)
 
 
+def test_an_epoch_resumes_from_the_lowest_step_its_members_restored_and_waits_for_the_slowest() -> None:
+    """One member of epoch 2 restored step 80 (an older snapshot), the other 90: the epoch resumed
+    from 80, so steps 81..100 were thrown away; its slowest member's phases are the recovery's."""
+    run = [*RUN]
+    run[7] = ack(128.0, 2, "h0", 80, 3.5)  # h0: restored 80, the longest restore
+    g = compute(run, now=230.0, current_step=190)
+    assert [(e.epoch, e.steps, e.kept) for e in g.epochs] == [(1, 99, 79), (2, 109, 109)]
+    (r,) = g.recoveries
+    assert (r.restored_step, r.steps_lost) == (80, 20)
+    assert r.phases["restore"] == 3.5 and g.badput_s["checkpoint_restore"] == pytest.approx(3.5)
+
+
 def test_the_furthest_step_a_member_acknowledged_counts_where_the_topology_lagged() -> None:
     """Progress reaches the coordinator at most once a second: epoch 2's topology recorded step 95,
     but h0 completed step 100 before it (its acknowledgement says so). The thrown-away steps are
@@ -149,3 +163,48 @@ def test_no_epoch_live_yet_is_all_initialization() -> None:
     g = compute(RUN[:3], now=15.0)
     assert (g.productive_s, g.badput_s["initialization"], g.goodput) == (0.0, 15.0, 0.0)
     assert compute([], now=5.0).wall_s == 0.0
+
+
+@st.composite
+def job_logs(draw: st.DrawFn) -> list[Event]:
+    """A job's log in time order: epochs of a few hosts, acknowledged (restored steps, phases and
+    reached steps drawn), live or not, failures between them, sometimes a finish."""
+    hosts = [f"h{i}" for i in range(5)]
+    t = 0.0
+    log = [Event(EventType.MEMBER_JOINED, t, 0, "joined", host_id="h0")]
+    for epoch in range(1, draw(st.integers(1, 4)) + 1):
+        t += draw(st.floats(0.1, 30))
+        members = draw(st.lists(st.sampled_from(hosts), min_size=1, max_size=4, unique=True))
+        reached = draw(st.none() | st.integers(-1, 300))
+        log.append(topology(t, epoch, members, draw(st.integers(-1, 200)), reached))
+        for host in draw(st.lists(st.sampled_from(hosts), max_size=6)):  # strangers and repeats too
+            t += draw(st.floats(0.0, 3))
+            restored = draw(st.integers(-1, 200))
+            log.append(
+                ack(t, epoch, host, restored, draw(st.floats(0, 5)), draw(st.none() | st.integers(-1, 300)))
+            )
+        if draw(st.booleans()):
+            t += draw(st.floats(0.0, 2))
+            log.append(live(t, epoch))
+        for host in draw(st.lists(st.sampled_from(hosts), max_size=2)):
+            t += draw(st.floats(0.1, 60))
+            log.append(dead(t, host, epoch))
+    if draw(st.booleans()):
+        t += draw(st.floats(0.1, 20))
+        log.append(
+            Event(EventType.JOB_FINISHED, t, 0, "done", details={"step": str(draw(st.integers(0, 400)))})
+        )
+    return log
+
+
+@given(job_logs(), st.floats(0, 30), st.none() | st.integers(-1, 400))
+def test_the_log_folded_as_it_comes_gives_what_compute_gives(
+    log: list[Event], later: float, step: int | None
+) -> None:
+    """The coordinator folds each event into a ``Log`` as it publishes it and asks it every few
+    seconds; ``remesh goodput --from-log`` computes from the events. After every event, both agree."""
+    folded = Log()
+    for i, event in enumerate(log):
+        folded.add(event)
+        now = event.time + later
+        assert folded.goodput(now, step) == compute(log[: i + 1], now, step)

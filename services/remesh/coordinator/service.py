@@ -207,7 +207,7 @@ class Coordinator:
         self._queue: list[_Queued] = []
         # The events goodput is computed from (and the log's first), kept as they are published; None
         # until this replica, leading, read them from the log (remesh.coordinator.goodput).
-        self._goodput_log: list[Event] | None = None
+        self._goodput_log: goodput.Log | None = None
         # The furthest step a member that acknowledged the current epoch reported in it: what the next
         # topology records as how far this epoch got. A member's own entry in ``_steps`` falls back to
         # -1 when it registers again (every member does, in a whole-job restart). Not kept across a
@@ -433,7 +433,7 @@ class Coordinator:
         for event in events:
             self.metrics.events.labels(type=event.type.value).inc()
             if self._goodput_log is not None:
-                goodput.keep(self._goodput_log, event)
+                self._goodput_log.add(event)
             if event.type in (EventType.TOPOLOGY_CHANGED, EventType.JOB_HALTED):
                 self._epoch_reached = -1  # the new epoch's own steps from now on
             topology = self.state.topology
@@ -629,18 +629,18 @@ class Coordinator:
 
     async def _refresh_goodput(self) -> None:
         """The job's goodput so far, into the metrics. The first time (per leadership) the log is read
-        whole, under the write lock so that no event is published meanwhile; then events are kept as
-        they are published."""
+        whole, under the write lock so that no event is published meanwhile; then each event is
+        folded in as it is published (``goodput.Log``), and a refresh walks epochs, not events."""
         if self._goodput_log is None:
             async with self._lock:
-                kept: list[Event] = []
+                log = goodput.Log()
                 async for page in self.store.page_events():
                     for event in page:
-                        goodput.keep(kept, event)
-                self._goodput_log = kept
+                        log.add(event)
+                self._goodput_log = log
         self._goodput_at = self._clock()
         step = self._furthest_step()
-        self.metrics.set_goodput(goodput.compute(self._goodput_log, self._goodput_at, step), step)
+        self.metrics.set_goodput(self._goodput_log.goodput(self._goodput_at, step), step)
 
     def _furthest_step(self) -> int | None:
         """The furthest step a member of the current epoch reported: what the next topology will record
