@@ -616,12 +616,15 @@ class Session:
         self._saving: Future[None] | None = None
         # Buddy copies on their way, oldest first.
         self._copying: collections.deque[Future[None]] = collections.deque()
-        # Fault injection (tests, benchmarks): every buddy copy first sleeps this long, and at least
-        # 2.5 times the loop's interval since the copy before, its waits for copies left out (as over
-        # a network slower than the loop, however fast or slow the machine runs it).
+        # Fault injection (tests, benchmarks): every buddy copy first sleeps this long plus the
+        # loop's own shortest recent interval between copies (its waits for copies left out): a
+        # copy is slower than a step by this much however fast or slow the machine runs the loop,
+        # so the loop waits about this long per copy, and no longer (its peers wait as long in the
+        # next collective, which must not time out).
         self._told_slow_copies = False
         self._copy_delay_s = float(os.environ.get("REMESH_FAULT_BUDDY_COPY_DELAY_S", "0") or 0)
         self._copy_asked_at: tuple[int, float] | None = None  # (epoch, when)
+        self._copy_intervals: collections.deque[float] = collections.deque(maxlen=5)
         # ... and compiling a step of the user's loop (``Epoch.jit``) first sleeps this long, as on a
         # slower or busier host.
         self._compile_delay_s = float(os.environ.get("REMESH_FAULT_COMPILE_DELAY_S", "0") or 0)
@@ -1623,8 +1626,12 @@ class Session:
             now = time.monotonic()
             # The loop's own pace: the time it waited for copies left out (it would feed back).
             last = self._copy_asked_at
-            since = now - last[1] - waited if last is not None and last[0] == assignment.epoch else 0.0
-            delay, self._copy_asked_at = max(self._copy_delay_s, 2.5 * since), (assignment.epoch, now)
+            if last is None or last[0] != assignment.epoch:
+                self._copy_intervals.clear()
+            else:
+                self._copy_intervals.append(now - last[1] - waited)
+            self._copy_asked_at = (assignment.epoch, now)
+            delay = self._copy_delay_s + min(self._copy_intervals, default=0.0)
         self._copying.append(
             self._copier.submit(self._copy_buddy, self._peers[buddy], (step, assignment.epoch), keys, delay)
         )
