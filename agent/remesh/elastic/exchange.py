@@ -159,10 +159,10 @@ def lower_priority(by: int = 9) -> None:
         pass
 
 
-def demote_threads(prefix: str) -> int:
+def demote_threads(prefix: str) -> None:
     """Give every thread of this process whose name starts with ``prefix`` at least the calling
-    thread's niceness; returns how many were lowered (Linux only; elsewhere, and where a thread is
-    gone meanwhile, nothing happens).
+    thread's niceness (Linux only; elsewhere, and where a thread is gone meanwhile, nothing
+    happens).
 
     For pools that C++ libraries start on first use: their workers keep the priority of the thread
     that happened to start them. Tensorstore's (Orbax's I/O) started by a restore on the training
@@ -171,8 +171,7 @@ def demote_threads(prefix: str) -> int:
         mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
         tasks = os.listdir("/proc/self/task")
     except (AttributeError, OSError):
-        return 0
-    lowered = 0
+        return
     for task in tasks:
         try:
             with open(f"/proc/self/task/{task}/comm") as f:
@@ -181,10 +180,8 @@ def demote_threads(prefix: str) -> int:
             tid = int(task)
             if os.getpriority(os.PRIO_PROCESS, tid) < mine:
                 os.setpriority(os.PRIO_PROCESS, tid, mine)
-                lowered += 1
         except (OSError, ValueError):
             continue
-    return lowered
 
 
 def advertised_host(peer: str) -> str:

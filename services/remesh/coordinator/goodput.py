@@ -252,9 +252,16 @@ class Log:
         start = self._start if self._start is not None else now
         if started_at is not None:
             start = min(start, started_at)
-        epochs, failures = self._epochs, self._failures
-        end, final_step, finished = self._end, self._final_step, self._finished
-        return _goodput(start, now, current_step, epochs, failures, end, final_step, finished)
+        return _goodput(
+            start,
+            now,
+            current_step,
+            self._epochs,
+            self._failures,
+            self._end,
+            self._final_step,
+            self._finished,
+        )
 
 
 def _goodput(
