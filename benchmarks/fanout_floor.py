@@ -2,7 +2,7 @@
 open streams on this machine, with nothing of remesh's on the server.
 
     python benchmarks/fanout_floor.py [--streams 5000,10000] [--clients 2] [--beats-per-second 1000]
-        [--rounds 5]
+        [--rounds 5] [--acks none|unary|stream] [--ack-delay 1.0]
 
 One asyncio gRPC server (this process; mutual TLS, the coordinator's server options) holds N
 bidirectional streams opened by --clients client processes, a channel (a TLS connection) each, as
@@ -19,6 +19,14 @@ figures: {...}`, for every size.
 `benchmarks/scale.py` measures the coordinator's own fan-out in the same shape (its
 `remesh_topology_delivery_seconds` and the simulated agents' receipt times): the difference between
 the two is what remesh's coordinator adds to gRPC's floor.
+
+With ``--acks unary`` or ``--acks stream`` every client also acknowledges each message ``--ack-delay``
+to twice that after reading it, as a trainer acknowledges a new epoch once it has re-meshed: a unary
+call of its own on the same channel (as remesh's agents call ``AckEpoch``), or a message on the stream
+that carried the epoch, answered on that stream (as remesh's coordinator answers with an
+``ack_reply``). The acknowledgements arrive while the round's last writes are still going
+out; the round then also reports the server's CPU from the wake to the last acknowledgement
+(``round_cpu_us_per_stream``) and that time (``acked_all_s_p50``).
 """
 
 from __future__ import annotations
@@ -43,6 +51,10 @@ from remesh.cli.certs import DevPki  # noqa: E402
 from remesh.v1.security import Role, Tls, aio_channel  # noqa: E402
 
 _METHOD = "/remesh.bench.Floor/Beat"
+_ACK_METHOD = "/remesh.bench.Floor/Ack"
+# An acknowledgement (host, incarnation, epoch, restored step, phases) encodes to about this size.
+_ACK = b"a" * 96
+_ACK_REPLY = b"\x08\x01"
 # A one-host delta of a 10,000-member topology, encoded, is about this size.
 _PAYLOAD = 160
 _BEAT = b"b" * 48
@@ -51,50 +63,94 @@ _BEAT = b"b" * 48
 # ---- the server (this process) --------------------------------------------------------------------
 
 
-class _Streams:
-    """Every open stream's wake-up, and the count of writes of the round in progress."""
+class _Stream:
+    """One open stream's doorbell: a round's wake-up (``woke``, the wall time it began; negative:
+    the benchmark is over) and the answers owed to acknowledgements it carried."""
 
     def __init__(self) -> None:
-        self.bells: list[asyncio.Future[float]] = []
-        self.opened = 0
+        self.woke: float | None = None
+        self.replies = 0
+        self.bell: asyncio.Future[None] | None = None
+
+    def ring(self) -> None:
+        if self.bell is not None and not self.bell.done():
+            self.bell.set_result(None)
+
+
+class _Streams:
+    """Every open stream, and the count of writes of the round in progress."""
+
+    def __init__(self) -> None:
+        self.streams: list[_Stream] = []
         self.written = 0
         self.expected = 0
         self.done: asyncio.Future[float] | None = None
-        # Set once every stream waits for its next wake-up (``waiting`` of them).
-        self.waiting = 0
-        self.all_waiting = asyncio.Event()
+        # Acknowledgements of the round in progress, by either path, and their expected count.
+        self.acked = 0
+        self.acks_expected = 0
+        self.acks_done: asyncio.Future[float] | None = None
+
+    def wake(self, woke: float) -> None:
+        for stream in self.streams:
+            stream.woke = woke
+            stream.ring()
+
+    def ack(self) -> None:
+        self.acked += 1
+        if self.acked == self.acks_expected and self.acks_done is not None and not self.acks_done.done():
+            self.acks_done.set_result(time.perf_counter())
+
+    async def handle_ack(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        self.ack()
+        return _ACK_REPLY
 
     async def handle(
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes]:
         loop = asyncio.get_running_loop()
-        self.opened += 1
+        me = _Stream()
+        self.streams.append(me)
 
         async def read() -> None:
-            async for _ in requests:
-                pass
+            async for message in requests:
+                if message[:1] == b"a":
+                    # Answered on the stream, as remesh's coordinator answers one (an ack_reply).
+                    self.ack()
+                    me.replies += 1
+                    me.ring()
 
         reader = asyncio.create_task(read())
         try:
             while True:
-                bell: asyncio.Future[float] = loop.create_future()
-                self.bells.append(bell)
-                if len(self.bells) >= self.waiting:
-                    self.all_waiting.set()
-                woke = await bell
-                if woke < 0:
-                    return  # the benchmark is over
-                yield struct.pack("!d", woke) + b"t" * (_PAYLOAD - 8)
-                self.written += 1
-                if self.written == self.expected and self.done is not None and not self.done.done():
-                    self.done.set_result(time.perf_counter())
+                if me.woke is not None:
+                    woke, me.woke = me.woke, None
+                    if woke < 0:
+                        return  # the benchmark is over
+                    yield struct.pack("!d", woke) + b"t" * (_PAYLOAD - 8)
+                    self.written += 1
+                    if self.written == self.expected and self.done is not None and not self.done.done():
+                        self.done.set_result(time.perf_counter())
+                    continue
+                if me.replies:
+                    me.replies -= 1
+                    yield _ACK_REPLY
+                    continue
+                me.bell = loop.create_future()
+                await me.bell
+                me.bell = None
         finally:
             reader.cancel()
 
 
 async def _serve_size(
-    pki: DevPki, streams_n: int, clients_n: int, beats_per_second: float, rounds: int
-) -> dict[str, float]:
+    pki: DevPki,
+    streams_n: int,
+    clients_n: int,
+    beats_per_second: float,
+    rounds: int,
+    acks: str = "none",
+    ack_delay: float = 1.0,
+) -> dict[str, float | str]:
     calls = 2 * streams_n + 1024
     server = grpc.aio.server(
         maximum_concurrent_rpcs=calls,
@@ -104,10 +160,11 @@ async def _serve_size(
         ],
     )
     state = _Streams()
-    handler = grpc.stream_stream_rpc_method_handler(state.handle)
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler("remesh.bench.Floor", {"Beat": handler}),)
-    )
+    handlers = {
+        "Beat": grpc.stream_stream_rpc_method_handler(state.handle),
+        "Ack": grpc.unary_unary_rpc_method_handler(state.handle_ack),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("remesh.bench.Floor", handlers),))
     port = server.add_secure_port("127.0.0.1:0", pki.tls(Role.COORDINATOR, "floor").server_credentials())
     await server.start()
     per_client = [streams_n // clients_n + (i < streams_n % clients_n) for i in range(clients_n)]
@@ -115,6 +172,7 @@ async def _serve_size(
     host = pki.tls(Role.HOST, "floor-client")
     tls = [str(host.ca_file), str(host.cert_file), str(host.key_file)]
     client_args = ["--client", f"localhost:{port}", "--client-interval", str(interval), "--client-tls", *tls]
+    client_args += ["--acks", acks, "--ack-delay", str(ack_delay)]
     clients = [
         await asyncio.create_subprocess_exec(
             sys.executable,
@@ -129,29 +187,33 @@ async def _serve_size(
     ]
     try:
         start = time.monotonic()
-        while state.opened < streams_n:
+        while len(state.streams) < streams_n:
             if time.monotonic() - start > 300:
-                raise SystemExit(f"only {state.opened} of {streams_n} streams opened in 300 s")
+                raise SystemExit(f"only {len(state.streams)} of {streams_n} streams opened in 300 s")
             await asyncio.sleep(0.2)
         print(
             f"  {streams_n} streams open after {time.monotonic() - start:.1f}s", file=sys.stderr, flush=True
         )
         await asyncio.sleep(min(interval, 5.0) + 1.0)  # every stream's first heartbeat in flight
-        walls, cpus, p99s = [], [], []
+        walls, cpus, p99s, acked_walls, round_cpus = [], [], [], [], []
         for round_ in range(rounds):
-            state.waiting = streams_n
-            state.all_waiting.clear()
-            if len(state.bells) < streams_n:
-                await state.all_waiting.wait()
-            bells, state.bells = state.bells, []
             state.written, state.expected = 0, streams_n
             state.done = asyncio.get_running_loop().create_future()
+            state.acked, state.acks_expected = 0, streams_n
+            state.acks_done = asyncio.get_running_loop().create_future()
             cpu0, t0 = time.process_time(), time.perf_counter()
-            woke = time.time()
-            for bell in bells:
-                bell.set_result(woke)
+            state.wake(time.time())
             t1 = await state.done
             cpu = time.process_time() - cpu0
+            acked_line = ""
+            if acks != "none":
+                t2 = await asyncio.wait_for(state.acks_done, 120.0)
+                acked_walls.append(t2 - t0)
+                round_cpus.append(time.process_time() - cpu0)
+                acked_line = (
+                    f", acknowledged ({acks}) in {t2 - t0:.3f}s "
+                    f"({1e6 * round_cpus[-1] / streams_n:.0f} us of CPU a stream in all)"
+                )
             received: list[float] = []
             for client in clients:
                 assert client.stdout is not None
@@ -164,21 +226,25 @@ async def _serve_size(
             print(
                 f"  {streams_n} streams, round {round_ + 1}/{rounds}: written in {t1 - t0:.3f}s "
                 f"({1e6 * cpu / streams_n:.0f} us of the server's CPU a stream), received p99 {p99:.3f}s "
-                f"max {max(received):.3f}s",
+                f"max {max(received):.3f}s{acked_line}",
                 file=sys.stderr,
                 flush=True,
             )
             await asyncio.sleep(1.0)
-        return {
+        figures: dict[str, float | str] = {
             "streams": streams_n,
             "write_all_s_p50": round(statistics.median(walls), 3),
             "write_cpu_us_per_stream": round(1e6 * statistics.median(cpus) / streams_n, 1),
             "receive_p99_s": round(statistics.median(p99s), 3),
             "rounds": rounds,
+            "acks": acks,
         }
+        if acks != "none":
+            figures["acked_all_s_p50"] = round(statistics.median(acked_walls), 3)
+            figures["round_cpu_us_per_stream"] = round(1e6 * statistics.median(round_cpus) / streams_n, 1)
+        return figures
     finally:
-        for bell in state.bells:
-            bell.set_result(-1.0)
+        state.wake(-1.0)
         await server.stop(1.0)
         for client in clients:
             if client.returncode is None:
@@ -187,11 +253,18 @@ async def _serve_size(
 
 
 def measure_floor(
-    streams: int, clients: int = 2, beats_per_second: float = 1000.0, rounds: int = 5
-) -> dict[str, float]:
+    streams: int,
+    clients: int = 2,
+    beats_per_second: float = 1000.0,
+    rounds: int = 5,
+    acks: str = "none",
+    ack_delay: float = 1.0,
+) -> dict[str, float | str]:
     """One size's figures (the keys of the JSON line); progress lines go to stdout."""
     with tempfile.TemporaryDirectory(prefix="remesh-floor-") as tmp:
-        return asyncio.run(_serve_size(DevPki(Path(tmp)), streams, clients, beats_per_second, rounds))
+        return asyncio.run(
+            _serve_size(DevPki(Path(tmp)), streams, clients, beats_per_second, rounds, acks, ack_delay)
+        )
 
 
 # ---- a client process ------------------------------------------------------------------------------
@@ -212,16 +285,49 @@ async def _client(args: argparse.Namespace) -> None:
 
     async def one() -> None:
         channel = aio_channel(args.client, tls)
+        ack_call = channel.unary_unary(_ACK_METHOD, request_serializer=bytes, response_deserializer=bytes)
+        # The stream's outgoing messages: heartbeats, and acknowledgements when they go on the stream.
+        outgoing: asyncio.Queue[bytes | None] = asyncio.Queue()
 
-        async def beats() -> AsyncIterator[bytes]:
+        async def beat() -> None:
             await asyncio.sleep(random.random() * args.client_interval)
             while True:
-                yield _BEAT
+                outgoing.put_nowait(_BEAT)
                 await asyncio.sleep(args.client_interval)
 
-        call = channel.stream_stream(_METHOD, request_serializer=bytes, response_deserializer=bytes)(beats())
-        async for message in call:
-            received(message)
+        async def requests() -> AsyncIterator[bytes]:
+            while (message := await outgoing.get()) is not None:
+                yield message
+
+        async def acknowledge() -> None:
+            await asyncio.sleep(args.ack_delay * (1.0 + random.random()))
+            if args.acks == "stream":
+                outgoing.put_nowait(_ACK)
+            else:
+                await ack_call(_ACK, timeout=60)
+
+        beating = asyncio.create_task(beat())
+        acking: set[asyncio.Task[None]] = set()
+        call = channel.stream_stream(_METHOD, request_serializer=bytes, response_deserializer=bytes)(
+            requests()
+        )
+        try:
+            async for message in call:
+                if message == _ACK_REPLY:
+                    continue  # the answer to an acknowledgement sent on the stream
+                received(message)
+                if args.acks != "none":
+                    task = asyncio.create_task(acknowledge())
+                    acking.add(task)
+                    task.add_done_callback(acking.discard)
+        except grpc.aio.AioRpcError:
+            # The server ends every stream once it is done; a message on its way out then fails.
+            # A stream that broke before would have left a round without its reading, and the server
+            # waits for every stream's.
+            pass
+        finally:
+            beating.cancel()
+            outgoing.put_nowait(None)  # the request generator ends: gRPC need not close it mid-wait
 
     await asyncio.gather(*(one() for _ in range(args.client_streams)))
 
@@ -234,6 +340,18 @@ def main() -> None:
     )
     parser.add_argument("--beats-per-second", type=float, default=1000.0, help="heartbeats over all streams")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--acks",
+        choices=("none", "unary", "stream"),
+        default="none",
+        help="each client acknowledges every message: a unary call each, or a message on its stream",
+    )
+    parser.add_argument(
+        "--ack-delay",
+        type=float,
+        default=1.0,
+        help="an acknowledgement goes this to twice this after receipt",
+    )
     parser.add_argument("--client", help=argparse.SUPPRESS)
     parser.add_argument("--client-streams", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--client-interval", type=float, help=argparse.SUPPRESS)
@@ -245,7 +363,7 @@ def main() -> None:
     if args.clients < 1 or args.rounds < 1 or args.beats_per_second <= 0:
         parser.error("--clients and --rounds must be at least 1, --beats-per-second above 0")
     figures = [
-        measure_floor(int(n), args.clients, args.beats_per_second, args.rounds)
+        measure_floor(int(n), args.clients, args.beats_per_second, args.rounds, args.acks, args.ack_delay)
         for n in args.streams.split(",")
         if n
     ]
