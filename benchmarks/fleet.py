@@ -120,9 +120,13 @@ class SimAgent:
         tls: Tls | None,
         beats: list[int],
         ack_delay_s: float = 0.0,
+        acks_on_stream: bool = True,
     ) -> None:
         self.host_id = host_id
         self.ack_delay_s = ack_delay_s
+        # As an agent does: acknowledgements on the heartbeat stream where the coordinator answers
+        # them there (RegisterResponse.acks_on_stream), else an AckEpoch call each.
+        self.acks_on_stream = acks_on_stream
         self.spare = spare
         self.address = address
         self.tls = tls
@@ -193,21 +197,44 @@ class SimAgent:
         interval = reply.heartbeat_interval_s or 1.0
         self.registered.set()
 
-        async def beats() -> Any:
+        # The stream's messages: heartbeats, and acknowledgements when they go on the stream.
+        outgoing: asyncio.Queue[pb.HeartbeatRequest | None] = asyncio.Queue()
+        on_stream = self.acks_on_stream and reply.acks_on_stream
+
+        async def beat() -> None:
             # Spread over the interval, as agents started at different moments are.
             await asyncio.sleep(random.random() * interval)
             while True:
                 await self.speaking.wait()
                 self._beats[0] += 1
-                yield pb.HeartbeatRequest(
-                    host_id=self.host_id,
-                    incarnation=incarnation,
-                    trainer_status=pb.TRAINER_STATUS_RUNNING,
-                    topology_deltas=True,
+                outgoing.put_nowait(
+                    pb.HeartbeatRequest(
+                        host_id=self.host_id,
+                        incarnation=incarnation,
+                        trainer_status=pb.TRAINER_STATUS_RUNNING,
+                        topology_deltas=True,
+                    )
                 )
                 await asyncio.sleep(interval)
 
-        call = stub.Heartbeat(beats())
+        async def requests() -> Any:
+            while (message := await outgoing.get()) is not None:
+                yield message
+
+        beating = asyncio.create_task(beat())
+        try:
+            await self._read(stub, stub.Heartbeat(requests()), incarnation, outgoing if on_stream else None)
+        finally:
+            beating.cancel()
+            outgoing.put_nowait(None)
+
+    async def _read(
+        self,
+        stub: pb_grpc.CoordinatorStub,
+        call: Any,
+        incarnation: int,
+        outgoing: asyncio.Queue[pb.HeartbeatRequest | None] | None,
+    ) -> None:
         # What this simulated agent keeps of the topology: its epoch (``self.epoch``) and whether it
         # is a member. A real agent rebuilds the whole member list from a delta
         # (remesh.v1.deltas.apply: O(members) on its own host); a thousand of them in one process
@@ -233,11 +260,18 @@ class SimAgent:
                     member = True
             if topology is not None:
                 self.epoch = topology.epoch
+            if message.HasField("ack_reply") and message.ack_reply.code:
+                refused = message.ack_reply
+                if not (
+                    refused.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+                    and self.epoch > refused.epoch
+                ):
+                    _emit({"ack_failed": self.host_id, "epoch": refused.epoch, "code": str(refused.code)})
             if self.epoch and topology is not None:
                 whole = message.HasField("topology")
                 _emit({"host": self.host_id, "epoch": self.epoch, "t": time.time(), "whole": whole})
                 if member and self.speaking.is_set():  # a silent host acknowledges nothing
-                    ack = asyncio.create_task(self._ack(stub, incarnation, self.epoch))
+                    ack = asyncio.create_task(self._ack(stub, incarnation, self.epoch, outgoing))
                     self._acks.add(ack)
                     ack.add_done_callback(self._acks.discard)
             if message.command in (pb.COMMAND_REREGISTER, pb.COMMAND_DRAIN):
@@ -247,10 +281,17 @@ class SimAgent:
                 self.crashed = True
                 return
 
-    async def _ack(self, stub: pb_grpc.CoordinatorStub, incarnation: int, epoch: int) -> None:
+    async def _ack(
+        self,
+        stub: pb_grpc.CoordinatorStub,
+        incarnation: int,
+        epoch: int,
+        outgoing: asyncio.Queue[pb.HeartbeatRequest | None] | None,
+    ) -> None:
         """As a trainer does (through its agent): once it has re-meshed (``ack_delay_s`` to twice
-        that, drawn per epoch), retried while the coordinator is busy or away; a refusal (the epoch is
-        no longer current) ends it."""
+        that, drawn per epoch), on the heartbeat stream (``outgoing``; a refusal comes back on it), or
+        as a call retried while the coordinator is busy or away; a refusal (the epoch is no longer
+        current) ends it."""
         if self.ack_delay_s > 0:
             await asyncio.sleep(self.ack_delay_s * (1.0 + random.random()))
             if self.crashed or not self.speaking.is_set():
@@ -258,6 +299,11 @@ class SimAgent:
         request = pb.AckEpochRequest(
             host_id=self.host_id, incarnation=incarnation, epoch=epoch, restored_step=-1, restore_source="sim"
         )
+        if outgoing is not None:
+            outgoing.put_nowait(
+                pb.HeartbeatRequest(host_id=self.host_id, incarnation=incarnation, ack=request)
+            )
+            return
         code = "?"
         for attempt in range(10):
             try:
@@ -289,6 +335,7 @@ async def _simulate(args: argparse.Namespace) -> None:
             Tls(pki / "ca.pem", pki / f"host-{h}.pem", pki / f"host-{h}-key.pem") if pki else None,
             beats,
             args.ack_delay,
+            args.acks == "stream",
         )
         for h in hosts
     }
@@ -343,6 +390,9 @@ class Fleet:
     start_spread_s: float = 2.0
     # How long a simulated trainer takes to re-mesh before it acknowledges an epoch (0: at once).
     ack_delay_s: float = 0.0
+    # "stream": acknowledgements on the heartbeat stream where the coordinator offers it, as agents
+    # send them; "unary": an AckEpoch call each, as agents did before.
+    acks: str = "stream"
     arrivals: dict[int, dict[str, float]] = field(default_factory=dict)
     # The agents that received each epoch as a delta from the one before.
     as_delta: dict[int, set[str]] = field(default_factory=dict)
@@ -371,6 +421,7 @@ class Fleet:
                 sys.executable, str(Path(__file__).resolve()), "--coordinator", self.coordinator,
                 "--hosts", ",".join(shard), "--spares", ",".join(h for h in shard if h in set(self.spares)),
                 "--start-spread", str(self.start_spread_s), "--ack-delay", str(self.ack_delay_s),
+                "--acks", self.acks,
             ]  # fmt: skip
             if self.pki is not None:
                 args += ["--pki", str(self.pki.directory)]
@@ -481,6 +532,12 @@ def main() -> int:
         type=float,
         default=0.0,
         help="seconds (to twice that) an agent's trainer takes to re-mesh before it acknowledges an epoch",
+    )
+    parser.add_argument(
+        "--acks",
+        choices=("stream", "unary"),
+        default="stream",
+        help="acknowledge on the heartbeat stream where the coordinator offers it (as agents do), or by AckEpoch calls",
     )
     args = parser.parse_args()
     os.environ.setdefault("GRPC_VERBOSITY", "NONE")

@@ -21,12 +21,14 @@ The heartbeat interval grows with the fleet (the coordinator's ``--fleet-size`` 
 (the closed stream is the signal), silent detection does (six intervals).
 
     python benchmarks/scale.py [--hosts 1000,2000] [--crashes 5] [--silent 3] [--ack-delay 1.0]
-        [--floor-rounds 3]
+        [--acks stream|unary] [--floor-rounds 3]
 
 A simulated trainer acknowledges a new epoch ``--ack-delay`` to twice that after its agent received
 it, as a real one does once it has re-meshed and restored (the demo's trainers: about 1.2 s); with
 ``--ack-delay 0`` every member acknowledges at once, and the acknowledgements of thousands of hosts
-meet the fan-out of the same epoch at the coordinator.
+meet the fan-out of the same epoch at the coordinator. It acknowledges on its heartbeat stream, as an
+agent does with a coordinator that offers it (``--acks stream``), or with an ``AckEpoch`` call each
+(``--acks unary``, as agents did before).
 
 Prints a table, a line "all figures: {JSON}" for the largest size, and last one JSON line with
 exactly hosts, crash_detect_p99_s, silent_detect_p99_s, fanout_p99_s, false_positives,
@@ -109,7 +111,13 @@ def patiently(call: Callable[[], T], attempts: int = 5, again: tuple[grpc.Status
 
 class Run:
     def __init__(
-        self, tmp: Path, redis_server: RedisServer, hosts: int, beats_per_second: float, ack_delay_s: float
+        self,
+        tmp: Path,
+        redis_server: RedisServer,
+        hosts: int,
+        beats_per_second: float,
+        ack_delay_s: float,
+        acks: str = "stream",
     ) -> None:
         self.job = f"scale-{uuid.uuid4().hex[:8]}"
         self.redis_server = redis_server
@@ -119,6 +127,7 @@ class Run:
         self.active = host_ids(hosts - len(self.spares))
         self.beats_per_second = beats_per_second
         self.ack_delay_s = ack_delay_s
+        self.acks = acks
         # What the coordinator's --fleet-size/--heartbeat-budget make of its preset.
         self.interval = DetectorSettings().for_fleet(hosts, beats_per_second).heartbeat_interval_s
         self.hosts = hosts
@@ -146,6 +155,7 @@ class Run:
             pki=self.cluster.pki,
             start_spread_s=max(2.0, self.hosts / 500),
             ack_delay_s=self.ack_delay_s,
+            acks=self.acks,
         )
         self.fleet.start(timeout=600)
         progress(f"  {self.hosts} hosts: every simulated agent registered; waiting for the first epoch")
@@ -389,6 +399,12 @@ def main() -> int:
         default=1.0,
         help="seconds (to twice that) a simulated trainer re-meshes before acknowledging an epoch; 0: at once",
     )
+    parser.add_argument(
+        "--acks",
+        choices=("stream", "unary"),
+        default="stream",
+        help="simulated agents acknowledge on their heartbeat stream (as agents do) or by AckEpoch calls",
+    )
     parser.add_argument("--seed", type=int, default=5)
     parser.add_argument(
         "--floor-rounds",
@@ -404,7 +420,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="remesh-scale-") as tmp:
         for hosts in (int(h) for h in args.hosts.split(",")):
             with RedisServer(appendonly=False) as redis_server:
-                run = Run(Path(tmp), redis_server, hosts, args.beats_per_second, args.ack_delay)
+                run = Run(Path(tmp), redis_server, hosts, args.beats_per_second, args.ack_delay, args.acks)
                 try:
                     results.append(measure(run, args.crashes, args.silent, rng))
                 except (TimeoutError, RuntimeError) as exc:
@@ -451,6 +467,7 @@ def main() -> int:
         last["coordinator_cpu_cores"] = last.pop("cpu_cores")
     last["sizes"] = [r["hosts"] for r in results]
     last["ack_delay_s"] = args.ack_delay
+    last["acks"] = args.acks
     last["failed_sizes"] = {str(h): why for h, why in failed.items()}
     # Every figure on the line before; the last line carries exactly the keys issue #13 names.
     print("all figures: " + json.dumps(last))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import queue
 import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -139,6 +140,53 @@ def test_a_second_stream_for_a_host_opened_and_cancelled_never_makes_the_live_ho
         beats.cancel()
     # Well past the stream grace (0.1 s) and the heartbeat timeout: nobody was judged.
     hold(3.0, lambda: _unchanged(running, before))
+
+
+def test_acknowledgements_on_a_heartbeat_stream_are_answered_on_it_refusals_too(running: Cluster) -> None:
+    """An agent acknowledges on its heartbeat stream (HeartbeatRequest.ack); each gets an ack_reply
+    with what AckEpoch would have answered, a refusal leaves the stream open, and none changes
+    anything here (epoch 1 is live and acknowledged already)."""
+    before = snapshot(running)
+    inc = running.members()["host-1"].incarnation
+    epoch = running.topology().epoch
+    outgoing: queue.Queue[pb.HeartbeatRequest | None] = queue.Queue()
+
+    def requests() -> Iterator[pb.HeartbeatRequest]:
+        while (request := outgoing.get(timeout=10)) is not None:
+            yield request
+
+    def ack(ack: pb.AckEpochRequest) -> pb.HeartbeatRequest:
+        return pb.HeartbeatRequest(host_id="host-1", incarnation=inc, ack=ack)
+
+    replies = running.stub().Heartbeat(requests(), timeout=10)
+    try:
+        outgoing.put(pb.HeartbeatRequest(host_id="host-1", incarnation=inc))
+        assert next(replies).HasField("topology")
+        sent = [
+            pb.AckEpochRequest(epoch=epoch - 1),  # stale
+            pb.AckEpochRequest(host_id="host-0", epoch=epoch),  # another host's
+            pb.AckEpochRequest(epoch=epoch, phases={"restore": float("nan")}),  # malformed
+            pb.AckEpochRequest(epoch=epoch, restored_step=-1),  # already acknowledged: live
+        ]
+        answers: list[pb.AckReply] = []
+        for request in sent:  # one at a time: the answers come back in the order sent
+            outgoing.put(ack(request))
+            answers.append(next(r for r in replies if r.HasField("ack_reply")).ack_reply)
+    finally:
+        outgoing.put(None)
+        replies.cancel()
+    failed = grpc.StatusCode.FAILED_PRECONDITION.value[0]
+    invalid = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert [(a.epoch, a.code, a.live) for a in answers] == [
+        (epoch - 1, failed, False),
+        (epoch, invalid, False),
+        (epoch, invalid, False),
+        (epoch, 0, True),
+    ]
+    assert "stale epoch" in answers[0].details
+    assert "names host-0" in answers[1].details
+    assert "finite" in answers[2].details
+    assert snapshot(running) == before
 
 
 def _unchanged(c: Cluster, before: tuple[object, ...]) -> None:

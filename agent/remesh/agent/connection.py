@@ -9,16 +9,19 @@ in turn, backing off after each failure.
 
 from __future__ import annotations
 
+import asyncio
+import collections
 from collections.abc import Sequence
 from typing import Any
 
 import grpc
 
+from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
 from remesh.v1.contract import LEADER_METADATA
 from remesh.v1.security import Tls, aio_channel
 
-__all__ = ["CoordinatorLink", "leader_hint", "metadata"]
+__all__ = ["CoordinatorLink", "StreamAcks", "StreamClosed", "leader_hint", "metadata"]
 
 
 def metadata(exc: grpc.aio.AioRpcError, key: str) -> str | None:
@@ -128,3 +131,53 @@ class CoordinatorLink:
     def follow(self, leader: str) -> None:
         """The next channel goes to ``leader`` (call after ``close(rotate=False)``)."""
         self._leader = leader
+
+
+class StreamClosed(Exception):
+    """The heartbeat stream that carried an acknowledgement ended before its answer came."""
+
+
+class StreamAcks:
+    """Acknowledgements that go on one heartbeat stream, and the answers they wait for.
+
+    At thousands of hosts a new epoch's acknowledgements all reach the coordinator within seconds; as
+    an ``AckEpoch`` call each, they cost it several times what the same message costs on the stream
+    each agent holds open anyway (``benchmarks/fanout_floor.py --acks``). The stream's request
+    generator takes what is queued here; its reader hands back each ``ack_reply``, matched by epoch,
+    first sent first answered."""
+
+    def __init__(self) -> None:
+        self.outbox: collections.deque[pb.AckEpochRequest] = collections.deque()
+        self._waiting: dict[int, collections.deque[asyncio.Future[pb.AckReply]]] = {}
+        self.closed = False
+
+    def send(self, ack: pb.AckEpochRequest) -> asyncio.Future[pb.AckReply]:
+        """Queue ``ack`` for the stream; its answer, or ``StreamClosed`` once the stream ends."""
+        future: asyncio.Future[pb.AckReply] = asyncio.get_running_loop().create_future()
+        if self.closed:
+            future.set_exception(StreamClosed("the heartbeat stream has ended"))
+            return future
+        self.outbox.append(ack)
+        self._waiting.setdefault(ack.epoch, collections.deque()).append(future)
+        return future
+
+    def answered(self, reply: pb.AckReply) -> None:
+        """The coordinator's answer to the oldest acknowledgement of ``reply.epoch`` still waiting."""
+        waiting = self._waiting.get(reply.epoch)
+        while waiting:
+            future = waiting.popleft()
+            if not future.done():  # its caller may have stopped waiting
+                future.set_result(reply)
+                break
+        if waiting is not None and not waiting:
+            del self._waiting[reply.epoch]
+
+    def close(self) -> None:
+        """The stream ended: every acknowledgement still waiting goes another way."""
+        self.closed = True
+        self.outbox.clear()
+        for waiting in self._waiting.values():
+            for future in waiting:
+                if not future.done():
+                    future.set_exception(StreamClosed("the heartbeat stream ended before the answer came"))
+        self._waiting.clear()

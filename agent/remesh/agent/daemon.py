@@ -40,7 +40,7 @@ import grpc
 import structlog
 
 from remesh.agent import core
-from remesh.agent.connection import CoordinatorLink, leader_hint, metadata
+from remesh.agent.connection import CoordinatorLink, StreamAcks, StreamClosed, leader_hint, metadata
 from remesh.agent.core import AgentState, Decision, Do, Fault
 from remesh.agent.local_api import LocalApi
 from remesh.agent.metrics import AgentMetrics
@@ -115,6 +115,8 @@ _RELAYED_CALL_S = 8.0
 # acknowledgements that way within a second). The agent never cancels a relayed call itself, and each
 # of them is safe to repeat.
 _RELAY_AGAIN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+# An answer on the heartbeat stream carries its status as the number (pb.AckReply.code).
+_STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 
 
 _FAULT_KINDS = {
@@ -172,6 +174,8 @@ class Agent:
         # every member's last step within milliseconds (it picks the restore step from them).
         self._progress = asyncio.Event()
         self._warm_task: asyncio.Task[None] | None = None
+        # The open heartbeat stream's acknowledgements, when its coordinator answers them there.
+        self._stream_acks: StreamAcks | None = None
         # The trainer's CPU time at the last heartbeat, and when it last changed (see _trainer_status).
         self._cpu_ticks: int | None = None
         self._cpu_changed_at: float | None = None
@@ -338,17 +342,23 @@ class Agent:
         self.log = log.bind(host=self.settings.host_id, incarnation=self.incarnation)
         self.log.info("registered", role=pb.Role.Name(reply.member.role), epoch=reply.topology.epoch)
         interval = reply.heartbeat_interval_s or 0.1
-        call = stub.Heartbeat(self._heartbeats(interval))
+        acks = StreamAcks() if reply.acks_on_stream else None
+        call = stub.Heartbeat(self._heartbeats(interval, acks))
         # A coordinator of a large fleet sends keepalives less often (RegisterResponse.keepalive_s):
         # silent for four of them is lost, as 2 s is at the default 0.5 s.
         silence = max(self.settings.coordinator_silence_s, _KEEPALIVES_MISSED * reply.keepalive_s)
         self.metrics.connected.set(1)
+        self._stream_acks = acks
         try:
-            await self._read_stream(call, silence)
+            await self._read_stream(call, silence, acks)
         finally:
             self.metrics.connected.set(0)
+            if acks is not None:
+                acks.close()
+            if self._stream_acks is acks:
+                self._stream_acks = None
 
-    async def _read_stream(self, call: Any, silence: float) -> None:
+    async def _read_stream(self, call: Any, silence: float, acks: StreamAcks | None) -> None:
         # The topology this stream sent last: a delta on it is a difference from that one.
         held: pb.Topology | None = None
         while True:
@@ -362,6 +372,8 @@ class Agent:
             if message is _EOF:
                 break
             assert isinstance(message, pb.HeartbeatResponse)
+            if message.HasField("ack_reply") and acks is not None:
+                acks.answered(message.ack_reply)
             if message.echo:
                 self.metrics.heartbeat_rtt.observe(
                     max(0.0, time.monotonic() - message.echo - message.echo_held_s)
@@ -388,7 +400,9 @@ class Agent:
                 raise AgentExit(message.reason, code=0)
         raise _StreamEnded("the coordinator closed the heartbeat stream")
 
-    async def _heartbeats(self, interval: float) -> AsyncIterator[pb.HeartbeatRequest]:
+    async def _heartbeats(
+        self, interval: float, acks: StreamAcks | None
+    ) -> AsyncIterator[pb.HeartbeatRequest]:
         incarnation = self.incarnation
         sent, sched = time.monotonic(), _thread_schedstat()
         while not self._stopping.is_set():
@@ -409,7 +423,10 @@ class Agent:
                 trainer_status=self._trainer_status(),
                 probe=time.monotonic(),  # echoed in a keepalive: the round trip
                 topology_deltas=True,  # read from the first: new epochs may come as deltas
+                ack=acks.outbox.popleft() if acks is not None and acks.outbox else None,
             )
+            if acks is not None and acks.outbox:
+                continue  # another acknowledgement waits: no pause before it
             self._check_hang()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._progress.wait(), interval)
@@ -751,14 +768,19 @@ class Agent:
         self.last_step = step
         return int(self.topology.epoch)
 
-    async def _relay(self, method: str, call: Callable[[pb_grpc.CoordinatorStub, int], Awaitable[T]]) -> T:
+    async def _relay(
+        self,
+        method: str,
+        call: Callable[[pb_grpc.CoordinatorStub, int], Awaitable[T]],
+        deadline: float | None = None,
+    ) -> T:
         """A call the trainer waits on, sent to whichever coordinator leads now.
 
-        Retried through a leader change, a reconnect or a call shed under load (``_RELAY_AGAIN``) for
-        up to ``_RELAYED_CALL_S``: the session loop finds the new leader meanwhile. Anything else, and
-        the last failure, goes back to the trainer as it came.
+        Retried through a leader change, a reconnect or a call shed under load (``_RELAY_AGAIN``) until
+        ``deadline`` (monotonic; by default ``_RELAYED_CALL_S`` from now): the session loop finds the
+        new leader meanwhile. Anything else, and the last failure, goes back to the trainer as it came.
         """
-        deadline = time.monotonic() + _RELAYED_CALL_S
+        deadline = time.monotonic() + _RELAYED_CALL_S if deadline is None else deadline
         pause = 0.05
         while True:
             sent = time.monotonic()
@@ -778,23 +800,15 @@ class Agent:
         # The furthest of what the trainer says and what it last reported here (a trainer process
         # started for this epoch knows nothing of the one before; its predecessor's reports do).
         reached = max(request.reached_step, self.last_step)
-
-        def ack(stub: pb_grpc.CoordinatorStub, incarnation: int) -> Awaitable[pb.AckEpochResponse]:
-            return stub.AckEpoch(
-                pb.AckEpochRequest(
-                    host_id=self.settings.host_id,
-                    incarnation=incarnation,
-                    epoch=request.epoch,
-                    restored_step=request.restored_step,
-                    restore_source=request.restore_source,
-                    phases=dict(request.phases),
-                    restored_bytes=dict(request.restored_bytes),
-                    reached_step=reached,
-                ),
-                timeout=2,
-            )
-
-        reply = await self._relay("AckEpoch", ack)
+        ack = pb.AckEpochRequest(
+            epoch=request.epoch,
+            restored_step=request.restored_step,
+            restore_source=request.restore_source,
+            phases=dict(request.phases),
+            restored_bytes=dict(request.restored_bytes),
+            reached_step=reached,
+        )
+        live = await self._acknowledge(ack)
         self.metrics.restored(request.restore_source, request.phases.get("restore"), request.restored_bytes)
         self.last_progress = time.monotonic()
         self._trainer_runs(request.epoch)
@@ -805,7 +819,44 @@ class Agent:
             self._progress.set()
         # In the background: the trainer waits for this reply before its second step.
         self._warm_task = asyncio.create_task(self._ensure_warm())
-        return bool(reply.live)
+        return live
+
+    async def _acknowledge(self, ack: pb.AckEpochRequest) -> bool:
+        """``ack`` on the heartbeat stream where its coordinator answers it there, else (or once that
+        stream ends before the answer) as an ``AckEpoch`` call, retried like any relayed call.
+
+        The stream's identity is the acknowledgement's: ``ack`` names no host or incarnation."""
+        deadline = time.monotonic() + _RELAYED_CALL_S
+        acks = self._stream_acks
+        if acks is not None:
+            sent = time.monotonic()
+            try:
+                answer = acks.send(ack)
+                self._progress.set()  # the heartbeat generator sends it at once
+                # Most of the budget: an answer is slow only when the coordinator is (thousands of
+                # members acknowledging at once); a call each then would only add to its load.
+                reply = await asyncio.wait_for(answer, 0.75 * _RELAYED_CALL_S)
+            except (StreamClosed, TimeoutError) as exc:
+                self.log.info(
+                    "acknowledgement sent again as a call", epoch=ack.epoch, why=str(exc) or "no answer"
+                )
+            else:
+                code = _STATUS_BY_VALUE.get(reply.code, grpc.StatusCode.UNKNOWN)
+                if code is grpc.StatusCode.OK:
+                    self.metrics.call("AckEpoch", time.monotonic() - sent)
+                    return bool(reply.live)
+                if code not in _RELAY_AGAIN:
+                    raise grpc.aio.AioRpcError(
+                        code, grpc.aio.Metadata(), grpc.aio.Metadata(), reply.details, ""
+                    )
+                self.log.info("acknowledgement sent again as a call", epoch=ack.epoch, why=reply.details)
+
+        def call(stub: pb_grpc.CoordinatorStub, incarnation: int) -> Awaitable[pb.AckEpochResponse]:
+            request = pb.AckEpochRequest(host_id=self.settings.host_id, incarnation=incarnation)
+            request.MergeFrom(ack)
+            return stub.AckEpoch(request, timeout=2)
+
+        return bool((await self._relay("AckEpoch", call, deadline)).live)
 
     async def commit_checkpoint(self, request: apb.LocalCommitRequest) -> None:
         """Ask the coordinator to accept the trainer's checkpoint commit; raises its refusal."""

@@ -243,50 +243,68 @@ class RegisterRequest(_message.Message):
     def __init__(self, host_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., device_count: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("member", "topology", "heartbeat_interval_s", "heartbeat_timeout_s", "keepalive_s")
+    __slots__ = ("member", "topology", "heartbeat_interval_s", "heartbeat_timeout_s", "keepalive_s", "acks_on_stream")
     MEMBER_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     KEEPALIVE_S_FIELD_NUMBER: _ClassVar[int]
+    ACKS_ON_STREAM_FIELD_NUMBER: _ClassVar[int]
     member: Member
     topology: Topology
     heartbeat_interval_s: float
     heartbeat_timeout_s: float
     keepalive_s: float
-    def __init__(self, member: _Optional[_Union[Member, _Mapping]] = ..., topology: _Optional[_Union[Topology, _Mapping]] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., keepalive_s: _Optional[float] = ...) -> None: ...
+    acks_on_stream: bool
+    def __init__(self, member: _Optional[_Union[Member, _Mapping]] = ..., topology: _Optional[_Union[Topology, _Mapping]] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., keepalive_s: _Optional[float] = ..., acks_on_stream: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("host_id", "incarnation", "step", "trainer_status", "probe", "topology_deltas")
+    __slots__ = ("host_id", "incarnation", "step", "trainer_status", "probe", "topology_deltas", "ack")
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TRAINER_STATUS_FIELD_NUMBER: _ClassVar[int]
     PROBE_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_DELTAS_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
     host_id: str
     incarnation: int
     step: int
     trainer_status: TrainerStatus
     probe: float
     topology_deltas: bool
-    def __init__(self, host_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., step: _Optional[int] = ..., trainer_status: _Optional[_Union[TrainerStatus, str]] = ..., probe: _Optional[float] = ..., topology_deltas: _Optional[bool] = ...) -> None: ...
+    ack: AckEpochRequest
+    def __init__(self, host_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., step: _Optional[int] = ..., trainer_status: _Optional[_Union[TrainerStatus, str]] = ..., probe: _Optional[float] = ..., topology_deltas: _Optional[bool] = ..., ack: _Optional[_Union[AckEpochRequest, _Mapping]] = ...) -> None: ...
+
+class AckReply(_message.Message):
+    __slots__ = ("epoch", "live", "code", "details")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    live: bool
+    code: int
+    details: str
+    def __init__(self, epoch: _Optional[int] = ..., live: _Optional[bool] = ..., code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("topology", "command", "reason", "echo", "echo_held_s", "topology_delta")
+    __slots__ = ("topology", "command", "reason", "echo", "echo_held_s", "topology_delta", "ack_reply")
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     COMMAND_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     ECHO_FIELD_NUMBER: _ClassVar[int]
     ECHO_HELD_S_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_DELTA_FIELD_NUMBER: _ClassVar[int]
+    ACK_REPLY_FIELD_NUMBER: _ClassVar[int]
     topology: Topology
     command: Command
     reason: str
     echo: float
     echo_held_s: float
     topology_delta: TopologyDelta
-    def __init__(self, topology: _Optional[_Union[Topology, _Mapping]] = ..., command: _Optional[_Union[Command, str]] = ..., reason: _Optional[str] = ..., echo: _Optional[float] = ..., echo_held_s: _Optional[float] = ..., topology_delta: _Optional[_Union[TopologyDelta, _Mapping]] = ...) -> None: ...
+    ack_reply: AckReply
+    def __init__(self, topology: _Optional[_Union[Topology, _Mapping]] = ..., command: _Optional[_Union[Command, str]] = ..., reason: _Optional[str] = ..., echo: _Optional[float] = ..., echo_held_s: _Optional[float] = ..., topology_delta: _Optional[_Union[TopologyDelta, _Mapping]] = ..., ack_reply: _Optional[_Union[AckReply, _Mapping]] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("host_id", "incarnation", "reason")

@@ -45,7 +45,7 @@ from remesh.coordinator.feed import EventFeed, event_id_key
 from remesh.coordinator.membership import FaultKind, validate_host_id
 from remesh.coordinator.model import Event, EventType, Topology
 from remesh.coordinator.redis_connection import RedisConnection
-from remesh.coordinator.service import Coordinator
+from remesh.coordinator.service import AgentStream, Coordinator
 from remesh.coordinator.settings import Settings
 from remesh.coordinator.store import RedisStore
 from remesh.v1 import coordinator_pb2 as pb
@@ -305,6 +305,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             heartbeat_interval_s=detector.heartbeat_interval_s,
             heartbeat_timeout_s=detector.heartbeat_timeout_s,
             keepalive_s=self._c.settings.stream_keepalive_s,
+            acks_on_stream=True,
         )
 
     async def Heartbeat(
@@ -324,7 +325,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             await _abort(context, exc)
         stream = self._c.attach_stream(first.host_id, first.incarnation)
         probe = _Probe(first.probe, time.monotonic())
-        reader = asyncio.create_task(self._read(request_iterator, first, probe))
+        reader = asyncio.create_task(self._read(request_iterator, first, probe, stream))
         reader.add_done_callback(lambda _: stream.ring())
         keepalive = self._c.settings.stream_keepalive_s
         # The topology sent last on this stream: a later one goes as a delta from it when the agent
@@ -345,6 +346,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     if not reader.done():
                         self._c.metrics.delivery.observe(max(0.0, time.time() - topology.created_at))
                     sent = encoded
+                    continue
+                if stream.replies:
+                    yield stream.replies.popleft()
                     continue
                 if stream.commands:
                     command, reason = stream.commands.popleft()
@@ -386,8 +390,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return encoded
 
     async def _read(
-        self, requests: AsyncIterator[pb.HeartbeatRequest], first: pb.HeartbeatRequest, probe: _Probe
+        self,
+        requests: AsyncIterator[pb.HeartbeatRequest],
+        first: pb.HeartbeatRequest,
+        probe: _Probe,
+        stream: AgentStream,
     ) -> None:
+        acks: set[asyncio.Task[None]] = set()
         async for request in requests:
             if isinstance(request, _Malformed):
                 raise InvalidRequest(request.message)
@@ -398,6 +407,38 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 )
             probe.value, probe.received = request.probe, time.monotonic()
             await self._c.heartbeat(request.host_id, request.incarnation, request.step, _idle(request))
+            if request.HasField("ack"):
+                # Committed with the other members' in the next batch; the stream reads on meanwhile.
+                task = asyncio.create_task(self._ack_on_stream(request.ack, stream))
+                acks.add(task)
+                task.add_done_callback(acks.discard)
+
+    async def _ack_on_stream(self, ack: pb.AckEpochRequest, stream: AgentStream) -> None:
+        """``AckEpoch`` for an acknowledgement a heartbeat stream carried; its answer, or refusal,
+        goes back on the stream (``ack_reply``)."""
+        reply = pb.AckReply(epoch=ack.epoch)
+        try:
+            if (ack.host_id or stream.host_id, ack.incarnation or stream.incarnation) != (
+                stream.host_id,
+                stream.incarnation,
+            ):
+                raise InvalidRequest(
+                    f"an acknowledgement on {stream.host_id} incarnation {stream.incarnation}'s heartbeat "
+                    f"stream names {ack.host_id} incarnation {ack.incarnation}"
+                )
+            reply.live = await self._c.ack_epoch(
+                stream.host_id,
+                stream.incarnation,
+                ack.epoch,
+                ack.restored_step,
+                ack.restore_source,
+                dict(ack.phases),
+                dict(ack.restored_bytes),
+                ack.reached_step,
+            )
+        except CoordinatorError as exc:
+            reply.code, reply.details = status_of(exc).value[0], str(exc)
+        stream.reply(pb.HeartbeatResponse(ack_reply=reply))
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
         member = await _answer(context, self._c.leave(request.host_id, request.incarnation, request.reason))
