@@ -3,6 +3,8 @@ size: a real gRPC server with mutual TLS, two client processes, every stream wri
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks.fanout_floor import measure_floor
 
 
@@ -14,3 +16,13 @@ def test_the_grpc_floor_writes_to_every_stream_and_every_client_reads_it() -> No
     assert 0 < figures["write_all_s_p50"] < 30
     assert 0 < figures["receive_p99_s"] < 30
     assert figures["write_cpu_us_per_stream"] > 0
+
+
+@pytest.mark.parametrize("acks", ["unary", "stream"])
+def test_every_acknowledgement_reaches_the_server_by_either_path(acks: str) -> None:
+    figures = measure_floor(60, clients=2, beats_per_second=120.0, rounds=1, acks=acks, ack_delay=0.1)
+    assert figures["acks"] == acks
+    # The round waits for all 60 acknowledgements (a lost one times out); they come at least
+    # --ack-delay after the write, and the server spends CPU on them beyond the writes.
+    assert 0.1 < float(figures["acked_all_s_p50"]) < 30
+    assert float(figures["round_cpu_us_per_stream"]) > float(figures["write_cpu_us_per_stream"])
