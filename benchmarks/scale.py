@@ -38,6 +38,7 @@ coordinator_cpu_cores and epochs_for_correlated_failure.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import random
@@ -199,6 +200,10 @@ class Run:
     def live(self, epoch: int) -> bool:
         return any(e.epoch == epoch for e in self.events([pb.EVENT_TYPE_EPOCH_LIVE]))
 
+    def live_at(self, epoch: int) -> float:
+        """When ``epoch``'s epoch_live event was written (every member acknowledged it)."""
+        return next(e.time for e in self.events([pb.EVENT_TYPE_EPOCH_LIVE]) if e.epoch == epoch)
+
     def steady(self, seconds: float) -> dict[str, float]:
         assert self.fleet is not None
         c0, t0 = self.coordinator_cpu(), time.monotonic()
@@ -291,6 +296,10 @@ def measure(run: Run, crashes: int, silents: int, rng: random.Random) -> dict[st
     silent: list[float] = []
     fanout: list[float] = []
     delivery: list[float] = []  # the coordinator's side of each fan-out (a histogram bucket's bound)
+    # From each single failure's epoch published to every member's acknowledgement committed (live):
+    # the acknowledgements' path through the coordinator. The next failure waits for it, so one
+    # epoch's acknowledgements never meet the next one's fan-out.
+    acked: list[float] = []
     for kind, count in (("crash", crashes), ("silent", silents)):
         for i in range(count):
             victim = rng.choice([m.host_id for m in run.topology().members])
@@ -301,10 +310,13 @@ def measure(run: Run, crashes: int, silents: int, rng: random.Random) -> dict[st
             fanout.append(run.fanout(topology, run.up() - lost))
             now_handed = run.deliveries()
             delivery.append(bucket_p99(handed, now_handed))
+            epoch = topology.epoch
+            wait_for(functools.partial(run.live, epoch), 120, f"epoch {epoch} live", interval=0.2)
+            acked.append(run.live_at(topology.epoch) - run.published_at(topology.epoch))
             progress(
                 f"  {run.hosts} hosts: {kind} {i + 1}/{count}: dead after {(crash if kind == 'crash' else silent)[-1]:.3f}s, "
                 f"fan-out p99 {fanout[-1]:.3f}s (written to {bucket_count(handed, now_handed)} streams by the "
-                f"coordinator: p99 <= {delivery[-1]} s)"
+                f"coordinator: p99 <= {delivery[-1]} s), live {acked[-1]:.2f}s after it was published"
             )
     members = [m.host_id for m in run.topology().members]
     victims = rng.sample(members, len(members) // 10)
@@ -320,7 +332,7 @@ def measure(run: Run, crashes: int, silents: int, rng: random.Random) -> dict[st
     wait_for(
         lambda: run.live(topology.epoch), 120, "the epoch after the correlated failure live", interval=0.2
     )
-    live_at = next(e.time for e in run.events([pb.EVENT_TYPE_EPOCH_LIVE]) if e.epoch == topology.epoch)
+    live_at = run.live_at(topology.epoch)
     progress(
         f"  {run.hosts} hosts: {len(victims)} crashed at once: epoch {topology.epoch} published after "
         f"{published_at - t:.2f}s, at every survivor {correlated_fanout:.2f}s later (p99; written to "
@@ -349,6 +361,8 @@ def measure(run: Run, crashes: int, silents: int, rng: random.Random) -> dict[st
             "crash_detect_p99_s": round(percentile(crash, 99), 3),
             "silent_detect_p99_s": round(percentile(silent, 99), 3),
             "fanout_p99_s": round(max(fanout), 3),
+            "single_failure_fanout_p99_s": [round(f, 3) for f in fanout],
+            "single_failure_published_to_live_s": [round(a, 2) for a in acked],
             # The same epochs, up to the coordinator's hand-over to each stream (where a fan-out
             # spends its time: the coordinator, or the simulators sharing its cores).
             "coordinator_delivery_p99_le_s": max(
