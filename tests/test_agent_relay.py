@@ -4,6 +4,7 @@ it sends again and what it hands back at once, against a real gRPC server that a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -32,8 +33,9 @@ class _Answers(pb_grpc.CoordinatorServicer):
         return pb.AckEpochResponse(live=True)
 
 
-async def _ack(failures: list[grpc.StatusCode]) -> tuple[bool | BaseException, int]:
-    servicer = _Answers(failures)
+@contextlib.asynccontextmanager
+async def _agent_of(servicer: pb_grpc.CoordinatorServicer) -> AsyncIterator[Agent]:
+    """An agent (host h0) whose coordinator is ``servicer``, on a real gRPC server."""
     server = grpc.aio.server()
     pb_grpc.add_CoordinatorServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -44,12 +46,24 @@ async def _ack(failures: list[grpc.StatusCode]) -> tuple[bool | BaseException, i
         )
     )
     try:
-        answer: bool | BaseException = await agent.ack_epoch(apb.LocalAckRequest(epoch=3, restored_step=7))
-    except grpc.aio.AioRpcError as exc:
-        answer = exc
+        yield agent
     finally:
         await agent.link.close(rotate=False)
         await server.stop(None)
+
+
+async def _acknowledged(agent: Agent) -> bool | BaseException:
+    """What the trainer's acknowledgement of epoch 3 (restored step 7) gets back: live, or the refusal."""
+    try:
+        return await agent.ack_epoch(apb.LocalAckRequest(epoch=3, restored_step=7))
+    except grpc.aio.AioRpcError as exc:
+        return exc
+
+
+async def _ack(failures: list[grpc.StatusCode]) -> tuple[bool | BaseException, int]:
+    servicer = _Answers(failures)
+    async with _agent_of(servicer) as agent:
+        answer = await _acknowledged(agent)
     return answer, len(servicer.calls)
 
 
@@ -106,26 +120,14 @@ class _StreamAnswers(_Answers):
 
 
 async def _ack_on_stream(servicer: _StreamAnswers) -> bool | BaseException:
-    server = grpc.aio.server()
-    pb_grpc.add_CoordinatorServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    agent = Agent(
-        AgentSettings(
-            coordinators=(f"127.0.0.1:{port}",), host_id="h0", trainer_command=("true",), warm_standby=False
-        )
-    )
-    session = asyncio.create_task(agent._session())
-    try:
-        await asyncio.wait_for(servicer.streaming.wait(), 10)
-        return await agent.ack_epoch(apb.LocalAckRequest(epoch=3, restored_step=7))
-    except grpc.aio.AioRpcError as exc:
-        return exc
-    finally:
-        session.cancel()
-        await asyncio.gather(session, return_exceptions=True)
-        await agent.link.close(rotate=False)
-        await server.stop(None)
+    async with _agent_of(servicer) as agent:
+        session = asyncio.create_task(agent._session())  # registered, then its heartbeat stream
+        try:
+            await asyncio.wait_for(servicer.streaming.wait(), 10)
+            return await _acknowledged(agent)
+        finally:
+            session.cancel()
+            await asyncio.gather(session, return_exceptions=True)
 
 
 def test_an_acknowledgement_goes_on_the_heartbeat_stream_and_its_answer_reaches_the_trainer() -> None:
