@@ -332,10 +332,15 @@ def test_without_a_spare_the_job_shrinks_then_waits_and_halts_below_the_minimum(
     halted = cluster.wait_epoch(3, timeout=10)
     assert halted.halted and not halted.members
     assert "halted" in halted.reason and "minimum is 3" in halted.reason
-    # Every remaining agent stops its trainer and exits with the "job halted" code.
+    # Every remaining agent stops its trainer, leaves the job and exits with the "job halted" code:
+    # the log says they left with the job, not that their hosts failed after it.
     for h in ("host-0", "host-2"):
         wait_for(functools.partial(exited, cluster.agents[h]), 15, f"agent {h} to exit")
         assert cluster.agents[h].popen.returncode == 3
+    after = [e for e in cluster.events() if e.epoch >= halted.epoch]
+    left = {e.host_id: e.reason for e in after if e.type == pb.EVENT_TYPE_MEMBER_LEFT}
+    assert set(left) == {"host-0", "host-2"} and all("the job halted" in r for r in left.values()), left
+    assert not [e.host_id for e in after if e.type == pb.EVENT_TYPE_MEMBER_DEAD]
 
 
 def test_a_trainer_that_crashes_gets_its_host_replaced_and_the_host_rejoins_as_a_spare(

@@ -302,6 +302,12 @@ class Agent:
         """Graceful stop (SIGTERM): stop the trainer, leave the job, exit."""
         self.log.info("agent shutting down", reason=reason)
         await self._stop_trainer(reason, warm_too=True)
+        await self._leave(reason)
+        self._stopping.set()
+
+    async def _leave(self, reason: str) -> None:
+        """Leave the job (best effort): the coordinator records ``member_left``, where the stream's
+        end would otherwise read as this host failing."""
         if self.incarnation:
             with contextlib.suppress(grpc.aio.AioRpcError):
                 await self._connect().Leave(
@@ -310,7 +316,6 @@ class Agent:
                     ),
                     timeout=2,
                 )
-        self._stopping.set()
 
     async def _session(self) -> None:
         """Register, then keep one heartbeat stream until it ends."""
@@ -547,6 +552,8 @@ class Agent:
         )
         if decision.do is Do.STOP_ALL_AND_EXIT:
             await self._stop_trainer("job halted", warm_too=True)
+            # Every agent of a halted job exits: its end is the job's, not a failure of its host.
+            await self._leave("the job halted")
             raise AgentExit(decision.reason, code=decision.exit_code)
         if decision.do is Do.START_TRAINER:
             await self._start_trainer(topology, rank)
