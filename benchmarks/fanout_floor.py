@@ -26,7 +26,8 @@ call of its own on the same channel (as remesh's agents call ``AckEpoch``), or a
 that carried the epoch, answered on that stream (as remesh's coordinator answers with an
 ``ack_reply``). The acknowledgements arrive while the round's last writes are still going
 out; the round then also reports the server's CPU from the wake to the last acknowledgement
-(``round_cpu_us_per_stream``) and that time (``acked_all_s_p50``).
+(``round_cpu_us_per_stream``) and that time (``acked_all_s_p50``); ``acks_received`` counts what
+arrived by each path.
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ import struct
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -89,19 +92,22 @@ class _Streams:
         self.acked = 0
         self.acks_expected = 0
         self.acks_done: asyncio.Future[float] | None = None
+        # Every acknowledgement received, by the path it came (whatever was asked).
+        self.by_path: Counter[str] = Counter()
 
     def wake(self, woke: float) -> None:
         for stream in self.streams:
             stream.woke = woke
             stream.ring()
 
-    def ack(self) -> None:
+    def ack(self, path: str) -> None:
+        self.by_path[path] += 1
         self.acked += 1
         if self.acked == self.acks_expected and self.acks_done is not None and not self.acks_done.done():
             self.acks_done.set_result(time.perf_counter())
 
     async def handle_ack(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        self.ack()
+        self.ack("unary")
         return _ACK_REPLY
 
     async def handle(
@@ -115,7 +121,7 @@ class _Streams:
             async for message in requests:
                 if message[:1] == b"a":
                     # Answered on the stream, as remesh's coordinator answers one (an ack_reply).
-                    self.ack()
+                    self.ack("stream")
                     me.replies += 1
                     me.ring()
 
@@ -150,7 +156,7 @@ async def _serve_size(
     rounds: int,
     acks: str = "none",
     ack_delay: float = 1.0,
-) -> dict[str, float | str]:
+) -> dict[str, Any]:
     calls = 2 * streams_n + 1024
     server = grpc.aio.server(
         maximum_concurrent_rpcs=calls,
@@ -231,13 +237,14 @@ async def _serve_size(
                 flush=True,
             )
             await asyncio.sleep(1.0)
-        figures: dict[str, float | str] = {
+        figures: dict[str, Any] = {
             "streams": streams_n,
             "write_all_s_p50": round(statistics.median(walls), 3),
             "write_cpu_us_per_stream": round(1e6 * statistics.median(cpus) / streams_n, 1),
             "receive_p99_s": round(statistics.median(p99s), 3),
             "rounds": rounds,
             "acks": acks,
+            "acks_received": dict(state.by_path),
         }
         if acks != "none":
             figures["acked_all_s_p50"] = round(statistics.median(acked_walls), 3)
@@ -259,7 +266,7 @@ def measure_floor(
     rounds: int = 5,
     acks: str = "none",
     ack_delay: float = 1.0,
-) -> dict[str, float | str]:
+) -> dict[str, Any]:
     """One size's figures (the keys of the JSON line); progress lines go to stdout."""
     with tempfile.TemporaryDirectory(prefix="remesh-floor-") as tmp:
         return asyncio.run(

@@ -22,6 +22,8 @@ def test_the_grpc_floor_writes_to_every_stream_and_every_client_reads_it() -> No
 def test_every_acknowledgement_reaches_the_server_by_either_path(acks: str) -> None:
     figures = measure_floor(60, clients=2, beats_per_second=120.0, rounds=1, acks=acks, ack_delay=0.1)
     assert figures["acks"] == acks
+    # Every one of them came by the path asked for, and none by the other.
+    assert figures["acks_received"] == {acks: 60}
     # The round waits for all 60 acknowledgements (a lost one times out); they come at least
     # --ack-delay after the write, and the server spends CPU on them beyond the writes.
     assert 0.1 < float(figures["acked_all_s_p50"]) < 30

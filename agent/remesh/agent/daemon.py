@@ -360,8 +360,7 @@ class Agent:
             self.metrics.connected.set(0)
             if acks is not None:
                 acks.close()
-            if self._stream_acks is acks:
-                self._stream_acks = None
+            self._stream_acks = None
 
     async def _read_stream(self, call: Any, silence: float, acks: StreamAcks | None) -> None:
         # The topology this stream sent last: a delta on it is a difference from that one.

@@ -418,10 +418,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         goes back on the stream (``ack_reply``)."""
         reply = pb.AckReply(epoch=ack.epoch)
         try:
-            if (ack.host_id or stream.host_id, ack.incarnation or stream.incarnation) != (
-                stream.host_id,
-                stream.incarnation,
-            ):
+            # The stream is the acknowledgement's identity: it may leave both out, not name another.
+            if ack.host_id not in ("", stream.host_id) or ack.incarnation not in (0, stream.incarnation):
                 raise InvalidRequest(
                     f"an acknowledgement on {stream.host_id} incarnation {stream.incarnation}'s heartbeat "
                     f"stream names {ack.host_id} incarnation {ack.incarnation}"
