@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,7 +11,13 @@ import pytest
 
 from remesh.embedded import RedisServer
 from remesh.embedded.redis_cluster import RedisClusterServers
-from tests.procs import Cluster
+from tests.procs import Cluster, jax_port_base_of_worker
+
+# Every coordinator a test starts (the tests', the demo's, the soak's) derives its JAX coordination
+# ports from this: the suite's parallel workers each get a range of their own, below Linux's
+# ephemeral ports, so two jobs on two workers never pick the same port for an epoch (a collision
+# re-forms the job once more, which tests that count epochs would read as a failure).
+os.environ["REMESH_JAX_PORT_BASE"] = str(jax_port_base_of_worker(os.environ.get("PYTEST_XDIST_WORKER", "")))
 
 
 @pytest.fixture(scope="session")

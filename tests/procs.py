@@ -4,6 +4,7 @@ window in which something must keep holding (``hold``, ``assert_no_events``)."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -11,6 +12,7 @@ from typing import TypeVar, cast
 
 import grpc
 
+from remesh.coordinator.settings import PlannerSettings
 from remesh.embedded import cluster as _cluster
 from remesh.embedded.cluster import LocalCluster as Cluster
 from remesh.embedded.cluster import Proc
@@ -18,9 +20,33 @@ from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
 from remesh.v1.security import Role
 
-__all__ = ["Cluster", "GrpcHost", "Proc", "assert_no_events", "assert_quiet_takeover", "hold", "wait_for"]
+__all__ = [
+    "Cluster",
+    "GrpcHost",
+    "Proc",
+    "assert_no_events",
+    "assert_quiet_takeover",
+    "hold",
+    "jax_port",
+    "jax_port_base_of_worker",
+    "wait_for",
+]
 
 T = TypeVar("T")
+
+
+def jax_port_base_of_worker(worker: str) -> int:
+    """The first JAX coordination port of a pytest-xdist worker ("gw0", "gw1", ...; "" without
+    xdist): ranges of the default span, side by side above the default range (which a demo run by
+    hand uses) and below 32768, where Linux's ephemeral ports begin."""
+    index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
+    span = PlannerSettings.jax_port_span
+    return PlannerSettings.jax_port_base + span * (1 + index % 3)
+
+
+def jax_port(job_id: str, epoch: int) -> int:
+    """The port of ``job_id``'s epoch ``epoch`` for a coordinator started by this test process."""
+    return PlannerSettings(jax_port_base=int(os.environ["REMESH_JAX_PORT_BASE"])).jax_port(job_id, epoch)
 
 
 def wait_for(predicate: Callable[[], T | None], timeout: float, what: str, interval: float = 0.02) -> T:

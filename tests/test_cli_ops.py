@@ -418,6 +418,15 @@ def test_coordinator_refuses_a_bad_jax_port_range(
     assert "invalid JAX port range" in out + err and "--jax-port-base" in out + err
 
 
+def test_coordinator_refuses_a_jax_port_base_from_the_environment_that_is_no_number(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("REMESH_JAX_PORT_BASE", "high")
+    code, _, err = inproc(capsys, "coordinator", "--redis", "redis://127.0.0.1:1")
+    assert code == 2
+    assert "--jax-port-base" in err and "'high'" in err
+
+
 def test_drain_is_seen_by_follow_and_replay_still_matches(
     cluster: Cluster, capsys: pytest.CaptureFixture[str]
 ) -> None:

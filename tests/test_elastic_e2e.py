@@ -16,12 +16,11 @@ import pytest
 
 from examples.tinylm import data
 from examples.tinylm.train_elastic import checksum
-from remesh.coordinator.settings import PlannerSettings
 from remesh.elastic.cadence import FIRST_EVERY
 from remesh.embedded import FakeGcsServer, RedisServer
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1.contract import recovery_id
-from tests.procs import Cluster, wait_for
+from tests.procs import Cluster, jax_port, wait_for
 from tests.test_metrics import Samples, metrics_port, scrape, value
 
 # Longer than run_job's own waits, so that a job that hangs fails with its logs' tails, not with
@@ -322,7 +321,7 @@ def test_a_taken_jax_port_moves_the_job_to_a_new_address_and_blames_no_host(
 ) -> None:
     """Another process listens on the port of epoch 1 (accepting connections, answering nothing)."""
     job = new_job_id()
-    port = PlannerSettings().jax_port(job, 1)
+    port = jax_port(job, 1)
     with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as squatter:
         squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         squatter.bind(("::", port))

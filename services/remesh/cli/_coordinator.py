@@ -75,8 +75,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--jax-port-base",
         type=int,
-        default=PlannerSettings.jax_port_base,
-        help="first port of the range the JAX coordination service of each epoch listens in on rank 0",
+        default=os.environ.get("REMESH_JAX_PORT_BASE", str(PlannerSettings.jax_port_base)),
+        help="first port of the range the JAX coordination service of each epoch listens in on rank 0 "
+        "(env REMESH_JAX_PORT_BASE; give jobs that share hosts ranges of their own)",
     )
     p.add_argument(
         "--jax-port-span", type=int, default=PlannerSettings.jax_port_span, help="size of that port range"
