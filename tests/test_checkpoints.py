@@ -290,6 +290,81 @@ def test_sharded_save_lists_crc32c_digests_and_a_corrupt_one_falls_back(tmp_path
     assert_bitwise_equal(state(1), jax.tree.map(np.asarray, local.restore_global(1, target)))
 
 
+def test_each_writer_tells_its_files_digests_and_the_commit_reads_only_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After an Orbax save of a sharded state each process reads back the files it wrote (those
+    Orbax names for its process index) and tells their digests beside the state; rank 0's commit
+    takes them and reads only the files nobody told it about, not every host's state. A told digest
+    whose size no longer matches, or a told file that does not parse, is not taken: the commit reads
+    the file itself. Here one process, and a second one's files and digests laid out beside them."""
+    import jax
+
+    from remesh.elastic.checkpoints import _base
+
+    def crc(path: Path) -> str:
+        return "crc32c:" + base64.b64encode(google_crc32c.Checksum(path.read_bytes()).digest()).decode()
+
+    read: list[str] = []
+    real_crc32c = _base._crc32c
+
+    def counting(path: Path) -> str:
+        read.append(path.relative_to(tmp_path / "ckpt").as_posix())
+        return real_crc32c(path)
+
+    monkeypatch.setattr(_base, "_crc32c", counting)
+    local = LocalCheckpoints(tmp_path / "ckpt")
+    state = {"w": jax.numpy.asarray(make_state(1)["params"]["w"])}
+    step_dir = tmp_path / "ckpt" / "step_0000000001"
+
+    assert local.prepare_global(1, 1)
+    local.write_global(1, state)
+    told = json.loads((step_dir / "digests.process_00000.json").read_text())
+    every = sorted(p.relative_to(step_dir).as_posix() for p in (step_dir / "state").rglob("*") if p.is_file())
+    own = [rel for rel in every if "process_0" in rel]
+    assert own and sorted(told) == own  # its own files, each once, and nothing else
+    assert all(
+        told[rel] == {"size": (step_dir / rel).stat().st_size, "digest": crc(step_dir / rel)} for rel in own
+    )
+    # Another process's files, and what it told: process 0 never enters its directory.
+    other = step_dir / "state" / "ocdbt.process_1" / "d" / "data"
+    other.parent.mkdir(parents=True)
+    other.write_bytes(b"shards of process 1")
+    (step_dir / "digests.process_00001.json").write_text(
+        json.dumps({"state/ocdbt.process_1/d/data": {"size": other.stat().st_size, "digest": crc(other)}})
+    )
+    assert sorted(p.relative_to(step_dir).as_posix() for p in _base._own_files(step_dir / "state", 0)) == own
+
+    read.clear()
+    local.commit_global(1, 1, {"step": 1})
+    marker = json.loads((step_dir / "COMMITTED").read_text())["files"]
+    assert sorted(marker) == sorted([*every, "state/ocdbt.process_1/d/data"])
+    assert all(entry["digest"] == crc(step_dir / rel) for rel, entry in marker.items())
+    # Rank 0 read exactly the files nobody told it about: the primary's metadata.
+    assert sorted(r.removeprefix("step_0000000001/") for r in read) == [r for r in every if r not in own]
+
+    # A told size that no longer matches, and a told file that does not parse: those files are read.
+    assert local.prepare_global(2, 1)
+    local.write_global(2, state)
+    step_dir = tmp_path / "ckpt" / "step_0000000002"
+    told = json.loads((step_dir / "digests.process_00000.json").read_text())
+    stale = sorted(told)[0]
+    told[stale]["size"] += 1
+    (step_dir / "digests.process_00000.json").write_text(json.dumps(told))
+    (step_dir / "digests.process_00002.json").write_text("{not json")
+    read.clear()
+    with capture_logs() as logs:
+        local.commit_global(2, 1, {"step": 2})
+    assert f"step_0000000002/{stale}" in read
+    assert [e["file"] for e in logs if "unreadable" in e["event"]] == ["digests.process_00002.json"]
+    marker = json.loads((step_dir / "COMMITTED").read_text())["files"]
+    assert all(entry["digest"] == crc(step_dir / rel) for rel, entry in marker.items())
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    assert_bitwise_equal(
+        jax.tree.map(np.asarray, state), jax.tree.map(np.asarray, local.restore_global(2, target))
+    )
+
+
 def test_a_sharded_state_written_as_pieces_is_restored_onto_another_layout(tmp_path: Path) -> None:
     """Each process writes the pieces it holds the first replica of, one plain file each; a restore
     assembles every leaf from them onto the shardings it asks for (here one device: whole leaves).

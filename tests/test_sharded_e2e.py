@@ -7,6 +7,7 @@ every world size these jobs pass through.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -18,6 +19,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import google_crc32c
 import pytest
 
 from remesh.elastic.cadence import CALIBRATE_AFTER, FIRST_EVERY, LEAST_EVERY
@@ -394,6 +396,15 @@ def test_a_sharded_checkpoint_restores_with_plain_orbax_onto_another_mesh(
     # Every process wrote: Orbax keeps one data folder per writing process.
     writers = {p.name for p in (step_dir / "state").glob("ocdbt.process_*")}
     assert len(writers) == 3, writers
+    # ... and told the digests of its own files, which the commit took: each is the file's CRC32C.
+    told = {}
+    for i in range(3):
+        told.update(json.loads((step_dir / f"digests.process_{i:05d}.json").read_text()))
+    assert {rel.split("/")[1] for rel in told if rel.split("/")[1].startswith("ocdbt.")} == writers
+    for rel, entry in marker["files"].items():
+        crc = base64.b64encode(google_crc32c.Checksum((step_dir / rel).read_bytes()).digest()).decode()
+        assert entry["digest"] == f"crc32c:{crc}", rel
+        assert rel not in told or told[rel] == entry, rel
     assert marker["step"] == STEPS
     out = tmp_path / "restored.npz"
     script = tmp_path / "plain_orbax.py"

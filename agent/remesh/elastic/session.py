@@ -147,6 +147,8 @@ class CheckpointStore(Protocol):
 
     # ... as one plain file of its pieces per process (``write_pieces``) rather than with Orbax.
     writes_pieces: bool
+    # Whether ``write_global`` tells the digests of what it wrote (rank 0 commits once all did).
+    tells_digests: bool
 
     def write_pieces(self, step: int, rank: int, layout: int, pieces: Pieces) -> int: ...
 
@@ -1716,6 +1718,12 @@ class Session:
                         continue
                 else:
                     store.write_global(step, tree)
+                    if store.tells_digests:
+                        # Every process told the digests of its files before rank 0 commits: it
+                        # then reads only its own, not every host's state.
+                        self.runtime.allgather_int(
+                            f"ckpt-{store.name}-{step}-told", 1, self.policy.init_timeout_s
+                        )
                 self.stats["checkpoints"] += 1
                 self.stats["checkpoint_bytes"] += nbytes
                 if assignment.rank == 0:

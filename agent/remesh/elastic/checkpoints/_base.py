@@ -9,6 +9,7 @@ import base64
 import contextlib
 import hashlib
 import json
+import os
 import re
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
@@ -46,6 +47,13 @@ STATE = "state"
 PIECES_SUFFIX = ".pieces"
 # Beside each, the size and CRC32C its writer read back from it (the commit's manifest takes them).
 DIGEST_SUFFIX = ".crc32c"
+# Beside a sharded step's state, one per process: the size and CRC32C of every file that process
+# wrote with Orbax, read back by the writer (``_tell_digests``), so that rank 0's commit reads only the
+# files nobody told it about, not the whole state of every host.
+TOLD_PREFIX = "digests.process_"
+# Orbax names what each process writes of a sharded state by its JAX process index: the directory
+# "ocdbt.process_<n>" (its OCDBT data) and the file "array_metadatas/process_<n>".
+_WRITER_PART = re.compile(r"^(?:.*\.)?process_(\d+)$")
 MARKER = "COMMITTED"
 FENCE = "EPOCH_FENCE"
 _STEP_DIR = re.compile(r"^step_(\d{10})$")
@@ -109,6 +117,38 @@ def _told(path: Path) -> tuple[int, str] | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return (size, digest) if size == path.stat().st_size and digest.startswith(_CRC32C) else None
+
+
+def _writer_of(part: str) -> int | None:
+    """The JAX process a path part names as its writer (``_WRITER_PART``), or None."""
+    m = _WRITER_PART.match(part)
+    return int(m.group(1)) if m else None
+
+
+def _own_files(state_dir: Path, me: int) -> Iterator[Path]:
+    """The files under ``state_dir`` that process ``me`` wrote: those with a path part naming it.
+    Other processes' directories are not entered (on N hosts, N times as many files)."""
+    for root, dirs, files in os.walk(state_dir):
+        mine = any(_writer_of(part) == me for part in Path(root).relative_to(state_dir).parts)
+        dirs[:] = [d for d in dirs if _writer_of(d) in (None, me)]
+        yield from (Path(root, f) for f in sorted(files) if mine or _writer_of(f) == me)
+
+
+def _read_told(step_dir: Path) -> dict[str, tuple[int, str]]:
+    """Every process's told digests of ``step_dir`` (``TOLD_PREFIX`` files): path relative to the
+    step -> (size, digest). A file that does not parse tells nothing: its files are read instead."""
+    told: dict[str, tuple[int, str]] = {}
+    for path in sorted(step_dir.glob(f"{TOLD_PREFIX}*.json")):
+        try:
+            entries = json.loads(path.read_text())
+            parsed = {str(rel): (int(e["size"]), str(e["digest"])) for rel, e in entries.items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            log.warning(
+                "digests a writer told are unreadable; reading its files", file=path.name, error=str(exc)
+            )
+            continue
+        told.update({rel: entry for rel, entry in parsed.items() if entry[1].startswith(_CRC32C)})
+    return told
 
 
 def _step_name(step: int) -> str:
@@ -237,6 +277,9 @@ class Checkpoints(abc.ABC):
     # Whether a sharded state is written here as each process's pieces, one plain file per process
     # (``write_pieces``), instead of by Orbax: a sixth of the CPU (see ``write_pieces``).
     writes_pieces = False
+    # Whether each process tells the digests of the files it wrote with Orbax (``write_global``):
+    # where the tier's storage cannot tell them itself (GCS lists every object's CRC32C).
+    tells_digests = False
 
     def __init__(
         self, clock: Callable[[], float] = time.time, max_to_keep: int | None = 3, compress: bool = False
@@ -316,10 +359,33 @@ class Checkpoints(abc.ABC):
         return True
 
     def write_global(self, step: int, state: PyTree) -> None:
-        """Every process: write its own shards of ``state`` (``jax.Array`` leaves) into the step."""
+        """Every process: write its own shards of ``state`` (``jax.Array`` leaves) into the step;
+        where the tier ``tells_digests``, then the digests of the files it wrote (for rank 0's
+        commit, once every process returned from this: it reads the files nobody told it about)."""
         path = self._global_dir(step) / STATE
         with _at_callers_priority(), _orbax_global(self.compress) as checkpointer:
             checkpointer.save(path, args=ocp.args.PyTreeSave(state))
+        if self.tells_digests:
+            self._tell_digests(step, jax.process_index())
+
+    def _tell_digests(self, step: int, me: int) -> None:
+        """Read back the files process ``me`` wrote of ``step`` (from this host's page cache) and
+        write their sizes and digests beside the state. Never raises: a commit without them reads
+        the files itself."""
+        step_dir = self._global_dir(step)
+        try:
+            told = {
+                path.relative_to(step_dir).as_posix(): {"size": path.stat().st_size, "digest": _crc32c(path)}
+                for path in _own_files(step_dir / STATE, me)
+            }
+            self._write_told(step_dir / f"{TOLD_PREFIX}{me:05d}.json", json.dumps(told).encode())
+        except OSError as exc:
+            log.warning(
+                "digests of the files written not told; the commit reads them", step=step, error=str(exc)
+            )
+
+    def _write_told(self, path: Any, data: bytes) -> None:
+        raise CheckpointError(f"the {self.name} tier takes no digests from the writers")
 
     def write_pieces(self, step: int, rank: int, layout: int, pieces: Pieces) -> int:
         """Every process: its pieces of ``step`` (the distinct shards it holds the first replica of,
@@ -374,14 +440,19 @@ class Checkpoints(abc.ABC):
         return doomed
 
     def _global_manifest(self, step: int) -> dict[str, tuple[int, str]]:
-        """What every process wrote for ``step``: path relative to the step -> (size, digest). Rank 0
-        reads every file Orbax wrote back for it, while the loop trains: CRC32C, not sha256, to take
-        less CPU. A pieces file's digest is its writer's, from the digest file beside it: rank 0
-        reads no other process's state (on N hosts, N times its own)."""
+        """What every process wrote for ``step``: path relative to the step -> (size, digest). A
+        file's digest is its writer's where the writer told it (``_tell_digests``; a pieces file's
+        digest file) and the size still matches: rank 0 reads no other process's state (on N
+        hosts, N times its own). The rest (the primary's metadata, or a writer that told nothing)
+        rank 0 reads for their CRC32C, while the loop trains."""
         step_dir = self._global_dir(step)
+        told = _read_told(step_dir) if self.tells_digests else {}
         files: dict[str, tuple[int, str]] = {}
         for path in sorted(p for p in (step_dir / STATE).rglob("*") if p.is_file()):
-            files[path.relative_to(step_dir).as_posix()] = _told(path) or (path.stat().st_size, _crc32c(path))
+            rel = path.relative_to(step_dir).as_posix()
+            size = path.stat().st_size
+            entry = told.get(rel)
+            files[rel] = entry if entry and entry[0] == size else _told(path) or (size, _crc32c(path))
         return files
 
     def restore_global(
