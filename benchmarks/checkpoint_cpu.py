@@ -27,6 +27,10 @@ from typing import Any
 
 
 def main() -> None:
+    # Stopped by SIGTERM (timeout, a scheduler), it still stops every process it started.
+    from remesh.embedded import stop_on_sigterm
+
+    stop_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--state-mb", type=float, default=64.0)
     parser.add_argument("--arrays", type=int, default=81, help="leaves of the state (tinylm at 64 MiB: 81)")

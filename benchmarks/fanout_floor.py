@@ -51,6 +51,7 @@ import grpc
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from remesh.cli.certs import DevPki  # noqa: E402
+from remesh.embedded import bound_to_parent  # noqa: E402
 from remesh.v1.security import Role, Tls, aio_channel  # noqa: E402
 
 _METHOD = "/remesh.bench.Floor/Beat"
@@ -181,11 +182,7 @@ async def _serve_size(
     client_args += ["--acks", acks, "--ack-delay", str(ack_delay)]
     clients = [
         await asyncio.create_subprocess_exec(
-            sys.executable,
-            __file__,
-            *client_args,
-            "--client-streams",
-            str(n),
+            *bound_to_parent([sys.executable, __file__, *client_args, "--client-streams", str(n)]),
             stdout=asyncio.subprocess.PIPE,
             limit=1 << 24,  # a round's latencies, one line of JSON
         )
@@ -340,6 +337,10 @@ async def _client(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    # Stopped by SIGTERM (timeout, a scheduler), it still stops every process it started.
+    from remesh.embedded import stop_on_sigterm
+
+    stop_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", default="5000,10000", help="stream counts, comma-separated")
     parser.add_argument(

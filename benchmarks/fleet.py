@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from remesh.agent.connection import CoordinatorLink  # noqa: E402
 from remesh.agent.settings import AgentSettings  # noqa: E402
+from remesh.embedded import bound_to_parent  # noqa: E402
 from remesh.v1 import coordinator_pb2 as pb  # noqa: E402
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc  # noqa: E402
 from remesh.v1.security import Tls, aio_channel  # noqa: E402
@@ -426,7 +427,11 @@ class Fleet:
             if self.pki is not None:
                 args += ["--pki", str(self.pki.directory)]
             proc = subprocess.Popen(
-                args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+                bound_to_parent(args),  # killed with whoever started it, even by SIGKILL
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
             )
             self._procs.append(proc)
             for h in shard:

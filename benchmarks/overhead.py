@@ -274,6 +274,10 @@ def remesh_run(
 
 
 def main() -> int:
+    # Stopped by SIGTERM (timeout, a scheduler), it still stops every process it started.
+    from remesh.embedded import stop_on_sigterm
+
+    stop_on_sigterm()
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

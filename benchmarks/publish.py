@@ -114,6 +114,10 @@ async def _measure(redis_url: str, members: int, rounds: int) -> dict[str, float
 
 
 def main() -> None:
+    # Stopped by SIGTERM (timeout, a scheduler), it still stops every process it started.
+    from remesh.embedded import stop_on_sigterm
+
+    stop_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--members", default="1000,5000,10000", help="fleet sizes, comma-separated")
     parser.add_argument("--rounds", type=int, default=3)

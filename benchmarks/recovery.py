@@ -269,6 +269,10 @@ def summary(trials: list[Trial], kind: str) -> tuple[float, float]:
 
 
 def main() -> int:
+    # Stopped by SIGTERM (timeout, a scheduler), it still stops every process it started.
+    from remesh.embedded import stop_on_sigterm
+
+    stop_on_sigterm()
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +127,7 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from remesh.demo.display import Display
     from remesh.demo.runner import DemoConfig, DemoError, DemoRun, Schedule
+    from remesh.embedded import stop_on_sigterm
 
     console = Console(highlight=False)
     kill_at = (
@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
         sharding=args.sharding,
     )
     # SIGTERM stops the demo like Ctrl-C does: every process it started is stopped.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    stop_on_sigterm()
     try:
         demo = DemoRun(config, Display(console))
         report = demo.run()

@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 
-__all__ = ["bound_to_parent", "free_port", "stop_process"]
+__all__ = ["bound_to_parent", "free_port", "stop_on_sigterm", "stop_process"]
 
 
 def free_port() -> int:
@@ -25,6 +25,17 @@ def bound_to_parent(command: list[str]) -> list[str]:
     if sys.platform == "linux" and setpriv:
         return [setpriv, "--pdeathsig", "KILL", "--", *command]
     return command
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (from ``timeout``, a scheduler, ``kill``) stops this program the way Ctrl-C does: a
+    KeyboardInterrupt in the main thread, so that every ``with`` and ``finally`` that stops a process
+    it started runs, instead of the program dying at once and leaving them behind."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"stopped by signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 def stop_process(proc: subprocess.Popen[bytes] | None, grace_s: float = 5.0) -> None:
