@@ -424,19 +424,23 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     f"an acknowledgement on {stream.host_id} incarnation {stream.incarnation}'s heartbeat "
                     f"stream names {ack.host_id} incarnation {ack.incarnation}"
                 )
-            reply.live = await self._c.ack_epoch(
-                stream.host_id,
-                stream.incarnation,
-                ack.epoch,
-                ack.restored_step,
-                ack.restore_source,
-                dict(ack.phases),
-                dict(ack.restored_bytes),
-                ack.reached_step,
-            )
+            reply.live = await self._acknowledge(stream.host_id, stream.incarnation, ack)
         except CoordinatorError as exc:
             reply.code, reply.details = status_of(exc).value[0], str(exc)
         stream.reply(pb.HeartbeatResponse(ack_reply=reply))
+
+    def _acknowledge(self, host_id: str, incarnation: int, ack: pb.AckEpochRequest) -> Awaitable[bool]:
+        """``ack`` from ``host_id``'s incarnation, by either path (a call, or its heartbeat stream)."""
+        return self._c.ack_epoch(
+            host_id,
+            incarnation,
+            ack.epoch,
+            ack.restored_step,
+            ack.restore_source,
+            dict(ack.phases),
+            dict(ack.restored_bytes),
+            ack.reached_step,
+        )
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
         member = await _answer(context, self._c.leave(request.host_id, request.incarnation, request.reason))
@@ -536,19 +540,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def AckEpoch(
         self, request: pb.AckEpochRequest, context: grpc.aio.ServicerContext
     ) -> pb.AckEpochResponse:
-        live = await _answer(
-            context,
-            self._c.ack_epoch(
-                request.host_id,
-                request.incarnation,
-                request.epoch,
-                request.restored_step,
-                request.restore_source,
-                dict(request.phases),
-                dict(request.restored_bytes),
-                request.reached_step,
-            ),
-        )
+        live = await _answer(context, self._acknowledge(request.host_id, request.incarnation, request))
         return pb.AckEpochResponse(live=live)
 
     async def ReportFault(
