@@ -50,7 +50,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import grpc
 import redis
@@ -164,7 +164,8 @@ class Run:
         progress(f"  {self.hosts} hosts: epoch {self.published()} published; waiting for it to go live")
         # The job formed and its current epoch is live (a host lost while forming makes epoch 2).
         try:
-            wait_for(lambda: self.live(self.published()), 300, "the job's epoch live", interval=0.5)
+            # The epoch asked about is the newest at each look: a host lost meanwhile makes another.
+            wait_for(lambda: self.live_at(self.published()), 300, "the job's epoch live", interval=0.5)
         except TimeoutError as exc:
             epoch = self.published()
             acked = {e.host_id for e in self.events([pb.EVENT_TYPE_EPOCH_ACKED]) if e.epoch == epoch}
@@ -198,12 +199,13 @@ class Run:
     def topology(self) -> pb.Topology:
         return patiently(lambda: self.cluster.stub().GetTopology(pb.GetTopologyRequest(), timeout=60))
 
-    def live(self, epoch: int) -> bool:
-        return any(e.epoch == epoch for e in self.events([pb.EVENT_TYPE_EPOCH_LIVE]))
+    def live_at(self, epoch: int) -> float | None:
+        """When ``epoch``'s epoch_live event was written (every member acknowledged it); None before."""
+        return next((e.time for e in self.events([pb.EVENT_TYPE_EPOCH_LIVE]) if e.epoch == epoch), None)
 
-    def live_at(self, epoch: int) -> float:
-        """When ``epoch``'s epoch_live event was written (every member acknowledged it)."""
-        return next(e.time for e in self.events([pb.EVENT_TYPE_EPOCH_LIVE]) if e.epoch == epoch)
+    def wait_live(self, epoch: int, what: str, timeout: float = 120, interval: float = 0.2) -> float:
+        """Wait for ``epoch`` to go live; when it did."""
+        return cast(float, wait_for(functools.partial(self.live_at, epoch), timeout, what, interval=interval))
 
     def steady(self, seconds: float) -> dict[str, float]:
         assert self.fleet is not None
@@ -311,9 +313,8 @@ def measure(run: Run, crashes: int, silents: int, rng: random.Random) -> dict[st
             fanout.append(run.fanout(topology, run.up() - lost))
             now_handed = run.deliveries()
             delivery.append(bucket_p99(handed, now_handed))
-            epoch = topology.epoch
-            wait_for(functools.partial(run.live, epoch), 120, f"epoch {epoch} live", interval=0.2)
-            acked.append(run.live_at(topology.epoch) - run.published_at(topology.epoch))
+            live_at = run.wait_live(topology.epoch, f"epoch {topology.epoch} live")
+            acked.append(live_at - run.published_at(topology.epoch))
             progress(
                 f"  {run.hosts} hosts: {kind} {i + 1}/{count}: dead after {(crash if kind == 'crash' else silent)[-1]:.3f}s, "
                 f"fan-out p99 {fanout[-1]:.3f}s (written to {bucket_count(handed, now_handed)} streams by the "
@@ -330,10 +331,7 @@ def measure(run: Run, crashes: int, silents: int, rng: random.Random) -> dict[st
     now_handed = run.deliveries()
     correlated_delivery = bucket_p99(handed, now_handed)
     correlated_written = bucket_count(handed, now_handed)
-    wait_for(
-        lambda: run.live(topology.epoch), 120, "the epoch after the correlated failure live", interval=0.2
-    )
-    live_at = run.live_at(topology.epoch)
+    live_at = run.wait_live(topology.epoch, "the epoch after the correlated failure live")
     progress(
         f"  {run.hosts} hosts: {len(victims)} crashed at once: epoch {topology.epoch} published after "
         f"{published_at - t:.2f}s, at every survivor {correlated_fanout:.2f}s later (p99; written to "
