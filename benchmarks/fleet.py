@@ -208,14 +208,7 @@ class SimAgent:
             while True:
                 await self.speaking.wait()
                 self._beats[0] += 1
-                outgoing.put_nowait(
-                    pb.HeartbeatRequest(
-                        host_id=self.host_id,
-                        incarnation=incarnation,
-                        trainer_status=pb.TRAINER_STATUS_RUNNING,
-                        topology_deltas=True,
-                    )
-                )
+                outgoing.put_nowait(self._heartbeat(incarnation))
                 await asyncio.sleep(interval)
 
         async def requests() -> Any:
@@ -282,6 +275,16 @@ class SimAgent:
                 self.crashed = True
                 return
 
+    def _heartbeat(self, incarnation: int, ack: pb.AckEpochRequest | None = None) -> pb.HeartbeatRequest:
+        """One heartbeat of a running trainer, carrying ``ack`` when given."""
+        return pb.HeartbeatRequest(
+            host_id=self.host_id,
+            incarnation=incarnation,
+            trainer_status=pb.TRAINER_STATUS_RUNNING,
+            topology_deltas=True,
+            ack=ack,
+        )
+
     async def _ack(
         self,
         stub: pb_grpc.CoordinatorStub,
@@ -301,9 +304,9 @@ class SimAgent:
             host_id=self.host_id, incarnation=incarnation, epoch=epoch, restored_step=-1, restore_source="sim"
         )
         if outgoing is not None:
-            outgoing.put_nowait(
-                pb.HeartbeatRequest(host_id=self.host_id, incarnation=incarnation, ack=request)
-            )
+            # In a heartbeat like the others, as an agent sends it: the coordinator reads every
+            # message on the stream as a heartbeat, this one's trainer status included.
+            outgoing.put_nowait(self._heartbeat(incarnation, request))
             return
         code = "?"
         for attempt in range(10):
