@@ -2,7 +2,7 @@
 open streams on this machine, with nothing of remesh's on the server.
 
     python benchmarks/fanout_floor.py [--streams 5000,10000] [--clients 2] [--beats-per-second 1000]
-        [--rounds 5] [--acks none|unary|stream] [--ack-delay 1.0]
+        [--rounds 5] [--acks none|unary|stream] [--ack-delay 1.0] [--relays 0]
 
 One asyncio gRPC server (this process; mutual TLS, the coordinator's server options) holds N
 bidirectional streams opened by --clients client processes, a channel (a TLS connection) each, as
@@ -13,8 +13,13 @@ a one-host topology delta. Measured per round: the server's wall and CPU time fr
 write completed, and each stream's time from the wake to its client reading the message. Prints (to
 standard error) a line per round and, last, JSON with `streams`, `write_all_s_p50` (the server's time to write to
 every stream, median of the rounds), `write_cpu_us_per_stream`, `receive_p99_s` (the clients' p99 of
-the round with the median p99) and `rounds`, for the largest --streams; the line before it, `all
-figures: {...}`, for every size.
+the round with the median p99), `rounds`, `server_streams` (the streams the server held) and, without
+acknowledgements, `machine_busy_cores_p50` and `machine_cpu_us_per_stream`: the whole machine's CPU
+(every process's and the kernel's, from `/proc/stat`) from the wake to the last receipt, as cores
+busy and per stream. These are for the largest --streams; the line before them, `all figures: {...}`,
+has every size. A client stream that breaks (as some do while thousands of TLS connections open at
+once) is opened again after a second or so, as an agent would, and the breaks are counted on
+standard error.
 
 `benchmarks/scale.py` measures the coordinator's own fan-out in the same shape (its
 `remesh_topology_delivery_seconds` and the simulated agents' receipt times): the difference between
@@ -28,6 +33,15 @@ that carried the epoch, answered on that stream (as remesh's coordinator answers
 out; the round then also reports the server's CPU from the wake to the last acknowledgement
 (``round_cpu_us_per_stream``) and that time (``acked_all_s_p50``); ``acks_received`` counts what
 arrived by each path.
+
+With ``--relays R`` the message goes in two hops, as the relays of ``docs/scale.md`` would carry an
+epoch: the server writes it to R relay processes, each a server of its own for its share of the
+clients' streams (client process i opens its streams to relay i mod R), and each relay writes it on
+to every stream it holds. The clients' heartbeats go to their relay; a relay sends the server one
+message a second (its count of open streams), as a relay would aggregate its hosts' heartbeats. The
+clients' receipt times are still taken from the server's wake, so ``receive_p99_s`` is the floor of
+a relayed fan-out on this machine (``--acks`` must stay ``none``), and the server's write figures
+are its writes to the relays.
 """
 
 from __future__ import annotations
@@ -35,6 +49,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import struct
@@ -95,6 +110,8 @@ class _Streams:
         self.acks_done: asyncio.Future[float] | None = None
         # Every acknowledgement received, by the path it came (whatever was asked).
         self.by_path: Counter[str] = Counter()
+        # With relays: the streams each relay holds, by its stream (from its latest report).
+        self.relayed: dict[int, int] = {}
 
     def wake(self, woke: float) -> None:
         for stream in self.streams:
@@ -125,6 +142,9 @@ class _Streams:
                     self.ack("stream")
                     me.replies += 1
                     me.ring()
+                elif message[:1] == b"o":
+                    # A relay's report: how many of the clients' streams it holds.
+                    (self.relayed[id(me)],) = struct.unpack("!I", message[1:5])
 
         reader = asyncio.create_task(read())
         try:
@@ -149,15 +169,16 @@ class _Streams:
             reader.cancel()
 
 
-async def _serve_size(
-    pki: DevPki,
-    streams_n: int,
-    clients_n: int,
-    beats_per_second: float,
-    rounds: int,
-    acks: str = "none",
-    ack_delay: float = 1.0,
-) -> dict[str, Any]:
+def _machine_busy_s() -> float:
+    """CPU seconds the whole machine has spent busy since it booted (``/proc/stat``)."""
+    with open("/proc/stat") as stat:
+        fields = [int(x) for x in stat.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+async def _start_server(tls: Tls, streams_n: int) -> tuple[grpc.aio.Server, _Streams, int]:
+    """A server for up to ``streams_n`` streams, with the coordinator's limits on pending calls."""
     calls = 2 * streams_n + 1024
     server = grpc.aio.server(
         maximum_concurrent_rpcs=calls,
@@ -172,39 +193,79 @@ async def _serve_size(
         "Ack": grpc.unary_unary_rpc_method_handler(state.handle_ack),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("remesh.bench.Floor", handlers),))
-    port = server.add_secure_port("127.0.0.1:0", pki.tls(Role.COORDINATOR, "floor").server_credentials())
+    port = server.add_secure_port("127.0.0.1:0", tls.server_credentials())
     await server.start()
-    per_client = [streams_n // clients_n + (i < streams_n % clients_n) for i in range(clients_n)]
-    interval = streams_n / beats_per_second
+    return server, state, port
+
+
+async def _serve_size(
+    pki: DevPki,
+    streams_n: int,
+    clients_n: int,
+    beats_per_second: float,
+    rounds: int,
+    acks: str = "none",
+    ack_delay: float = 1.0,
+    relays: int = 0,
+) -> dict[str, Any]:
+    server_tls = pki.tls(Role.COORDINATOR, "floor")
+    server, state, port = await _start_server(server_tls, streams_n)
     host = pki.tls(Role.HOST, "floor-client")
     tls = [str(host.ca_file), str(host.cert_file), str(host.key_file)]
-    client_args = ["--client", f"localhost:{port}", "--client-interval", str(interval), "--client-tls", *tls]
+    relay_processes = []
+    ports = [port]
+    if relays:
+        relay_args = ["--relay", f"localhost:{port}", "--client-tls", *tls, "--relay-server-tls"]
+        relay_args += [str(server_tls.ca_file), str(server_tls.cert_file), str(server_tls.key_file)]
+        for _ in range(relays):
+            relay_processes.append(
+                await asyncio.create_subprocess_exec(
+                    *bound_to_parent(
+                        [sys.executable, __file__, *relay_args, "--client-streams", str(streams_n)]
+                    ),
+                    stdout=asyncio.subprocess.PIPE,
+                )
+            )
+        ports = []
+        for relay in relay_processes:
+            assert relay.stdout is not None
+            ports.append(json.loads(await asyncio.wait_for(relay.stdout.readline(), 60.0))["port"])
+    per_client = [streams_n // clients_n + (i < streams_n % clients_n) for i in range(clients_n)]
+    interval = streams_n / beats_per_second
+    client_args = ["--client-interval", str(interval), "--client-tls", *tls]
     client_args += ["--acks", acks, "--ack-delay", str(ack_delay)]
-    clients = [
-        await asyncio.create_subprocess_exec(
-            *bound_to_parent([sys.executable, __file__, *client_args, "--client-streams", str(n)]),
-            stdout=asyncio.subprocess.PIPE,
-            limit=1 << 24,  # a round's latencies, one line of JSON
+    clients = []
+    for i, n in enumerate(per_client):
+        address = f"localhost:{ports[i % len(ports)]}"  # the server, or this client's relay
+        command = [sys.executable, __file__, "--client", address, *client_args, "--client-streams", str(n)]
+        clients.append(
+            await asyncio.create_subprocess_exec(
+                *bound_to_parent(command),
+                stdout=asyncio.subprocess.PIPE,
+                limit=1 << 24,  # a round's latencies, one line of JSON
+            )
         )
-        for n in per_client
-    ]
+
+    def opened() -> int:
+        return sum(state.relayed.values()) if relays else len(state.streams)
+
     try:
         start = time.monotonic()
-        while len(state.streams) < streams_n:
+        while opened() < streams_n or len(state.streams) < max(relays, 1):
             if time.monotonic() - start > 300:
-                raise SystemExit(f"only {len(state.streams)} of {streams_n} streams opened in 300 s")
+                raise SystemExit(f"only {opened()} of {streams_n} streams opened in 300 s")
             await asyncio.sleep(0.2)
         print(
             f"  {streams_n} streams open after {time.monotonic() - start:.1f}s", file=sys.stderr, flush=True
         )
         await asyncio.sleep(min(interval, 5.0) + 1.0)  # every stream's first heartbeat in flight
-        walls, cpus, p99s, acked_walls, round_cpus = [], [], [], [], []
+        walls, cpus, p99s, acked_walls, round_cpus, busy, machine_cpus = [], [], [], [], [], [], []
         for round_ in range(rounds):
-            state.written, state.expected = 0, streams_n
+            state.written, state.expected = 0, len(state.streams)
             state.done = asyncio.get_running_loop().create_future()
             state.acked, state.acks_expected = 0, streams_n
             state.acks_done = asyncio.get_running_loop().create_future()
-            cpu0, t0 = time.process_time(), time.perf_counter()
+            machine0, cpu0, t0 = _machine_busy_s(), time.process_time(), time.perf_counter()
             state.wake(time.time())
             t1 = await state.done
             cpu = time.process_time() - cpu0
@@ -222,6 +283,16 @@ async def _serve_size(
                 assert client.stdout is not None
                 line = await asyncio.wait_for(client.stdout.readline(), 60.0)
                 received += json.loads(line)["latencies"]
+            busy_line = ""
+            if acks == "none":
+                # Every process's CPU on the machine (the clients', relays', the kernel's), from the
+                # wake to the last receipt read here.
+                machine_cpus.append(_machine_busy_s() - machine0)
+                busy.append(machine_cpus[-1] / (time.perf_counter() - t0))
+                busy_line = (
+                    f", the machine's cores busy {busy[-1]:.2f} "
+                    f"({1e6 * machine_cpus[-1] / streams_n:.0f} us of its CPU a stream)"
+                )
             p99 = statistics.quantiles(received, n=100)[98]
             walls.append(t1 - t0)
             cpus.append(cpu)
@@ -229,7 +300,7 @@ async def _serve_size(
             print(
                 f"  {streams_n} streams, round {round_ + 1}/{rounds}: written in {t1 - t0:.3f}s "
                 f"({1e6 * cpu / streams_n:.0f} us of the server's CPU a stream), received p99 {p99:.3f}s "
-                f"max {max(received):.3f}s{acked_line}",
+                f"max {max(received):.3f}s{busy_line}{acked_line}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -242,7 +313,12 @@ async def _serve_size(
             "rounds": rounds,
             "acks": acks,
             "acks_received": dict(state.by_path),
+            "relays": relays,
+            "server_streams": len(state.streams),  # with relays, theirs alone
         }
+        if busy:
+            figures["machine_busy_cores_p50"] = round(statistics.median(busy), 2)
+            figures["machine_cpu_us_per_stream"] = round(1e6 * statistics.median(machine_cpus) / streams_n, 1)
         if acks != "none":
             figures["acked_all_s_p50"] = round(statistics.median(acked_walls), 3)
             figures["round_cpu_us_per_stream"] = round(1e6 * statistics.median(round_cpus) / streams_n, 1)
@@ -250,10 +326,10 @@ async def _serve_size(
     finally:
         state.wake(-1.0)
         await server.stop(1.0)
-        for client in clients:
-            if client.returncode is None:
-                client.kill()
-            await client.wait()
+        for process in clients + relay_processes:
+            if process.returncode is None:
+                process.kill()
+            await process.wait()
 
 
 def measure_floor(
@@ -263,12 +339,46 @@ def measure_floor(
     rounds: int = 5,
     acks: str = "none",
     ack_delay: float = 1.0,
+    relays: int = 0,
 ) -> dict[str, Any]:
     """One size's figures (the keys of the JSON line); progress lines go to stdout."""
     with tempfile.TemporaryDirectory(prefix="remesh-floor-") as tmp:
         return asyncio.run(
-            _serve_size(DevPki(Path(tmp)), streams, clients, beats_per_second, rounds, acks, ack_delay)
+            _serve_size(
+                DevPki(Path(tmp)), streams, clients, beats_per_second, rounds, acks, ack_delay, relays
+            )
         )
+
+
+# ---- a relay process (--relays) -------------------------------------------------------------------
+
+
+async def _relay(args: argparse.Namespace) -> None:
+    """Serve a share of the clients' streams and write on each message the server sends this relay."""
+    server, state, port = await _start_server(
+        Tls(*(Path(p) for p in args.relay_server_tls)), args.client_streams
+    )
+    sys.stdout.write(json.dumps({"port": port}) + "\n")
+    sys.stdout.flush()
+    channel = aio_channel(args.relay, Tls(*(Path(p) for p in args.client_tls)))
+
+    async def reports() -> AsyncIterator[bytes]:
+        while True:
+            yield b"o" + struct.pack("!I", len(state.streams))
+            await asyncio.sleep(1.0)
+
+    call = channel.stream_stream(_METHOD, request_serializer=bytes, response_deserializer=bytes)(reports())
+    try:
+        async for message in call:
+            (woke,) = struct.unpack("!d", message[:8])
+            if woke < 0:
+                break
+            state.wake(woke)
+    except grpc.aio.AioRpcError:
+        pass  # the server ends its streams when the benchmark is over
+    finally:
+        state.wake(-1.0)
+        await server.stop(1.0)
 
 
 # ---- a client process ------------------------------------------------------------------------------
@@ -278,6 +388,7 @@ async def _client(args: argparse.Namespace) -> None:
     tls = Tls(*(Path(p) for p in args.client_tls))
     latencies: list[float] = []
     expected = args.client_streams
+    broken: Counter[str] = Counter()
 
     def received(message: bytes) -> None:
         (woke,) = struct.unpack("!d", message[:8])
@@ -288,7 +399,15 @@ async def _client(args: argparse.Namespace) -> None:
             latencies.clear()
 
     async def one() -> None:
-        channel = aio_channel(args.client, tls)
+        # A stream that breaks is opened again, as an agent would, on a channel of its own each time:
+        # the server waits for every stream, and a round for every stream's reading.
+        while True:
+            if await stream_once(aio_channel(args.client, tls)):
+                return
+            await asyncio.sleep(0.5 + random.random())
+
+    async def stream_once(channel: grpc.aio.Channel) -> bool:
+        """One stream until the server ends it (True) or it breaks (False)."""
         ack_call = channel.unary_unary(_ACK_METHOD, request_serializer=bytes, response_deserializer=bytes)
         # The stream's outgoing messages: heartbeats, and acknowledgements when they go on the stream.
         outgoing: asyncio.Queue[bytes | None] = asyncio.Queue()
@@ -324,14 +443,18 @@ async def _client(args: argparse.Namespace) -> None:
                     task = asyncio.create_task(acknowledge())
                     acking.add(task)
                     task.add_done_callback(acking.discard)
-        except grpc.aio.AioRpcError:
-            # The server ends every stream once it is done; a message on its way out then fails.
-            # A stream that broke before would have left a round without its reading, and the server
-            # waits for every stream's.
-            pass
+            return True
+        except grpc.aio.AioRpcError as exc:
+            # Also how a stream ends when the server stops at the end, just before it kills this
+            # process; counted, and told now and then, for a stream that breaks before.
+            broken[exc.code().name] += 1
+            if sum(broken.values()) % 100 == 1:
+                print(f"  client: streams broken so far {dict(broken)}", file=sys.stderr, flush=True)
+            return False
         finally:
             beating.cancel()
             outgoing.put_nowait(None)  # the request generator ends: gRPC need not close it mid-wait
+            await channel.close(None)
 
     await asyncio.gather(*(one() for _ in range(args.client_streams)))
 
@@ -360,7 +483,15 @@ def main() -> None:
         default=1.0,
         help="an acknowledgement goes this to twice this after receipt",
     )
+    parser.add_argument(
+        "--relays",
+        type=int,
+        default=0,
+        help="relay processes between the server and the clients (0: the server writes to every stream)",
+    )
     parser.add_argument("--client", help=argparse.SUPPRESS)
+    parser.add_argument("--relay", help=argparse.SUPPRESS)
+    parser.add_argument("--relay-server-tls", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--client-streams", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--client-interval", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--client-tls", nargs=3, help=argparse.SUPPRESS)
@@ -368,10 +499,17 @@ def main() -> None:
     if args.client:
         asyncio.run(_client(args))
         return
+    if args.relay:
+        asyncio.run(_relay(args))
+        return
     if args.clients < 1 or args.rounds < 1 or args.beats_per_second <= 0:
         parser.error("--clients and --rounds must be at least 1, --beats-per-second above 0")
+    if args.relays < 0 or (args.relays and args.acks != "none"):
+        parser.error("--relays must be at least 0, and with relays --acks must be none")
     figures = [
-        measure_floor(int(n), args.clients, args.beats_per_second, args.rounds, args.acks, args.ack_delay)
+        measure_floor(
+            int(n), args.clients, args.beats_per_second, args.rounds, args.acks, args.ack_delay, args.relays
+        )
         for n in args.streams.split(",")
         if n
     ]
