@@ -8,6 +8,7 @@ import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -250,3 +251,26 @@ def test_a_burst_of_calls_past_grpcs_pending_limit_is_served_not_cancelled(runni
     failed = Counter(r.code().name for r in results if isinstance(r, grpc.aio.AioRpcError))
     assert not failed, failed
     assert all(isinstance(r, pb.Topology) and r.epoch == 1 for r in results)
+
+
+def test_a_coordinator_fault_on_a_stream_acknowledgement_is_answered_at_once() -> None:
+    """An acknowledgement on a heartbeat stream whose handling fails with an error that is no refusal
+    (a fault of the coordinator's own) is answered on the stream at once, UNKNOWN as the AckEpoch
+    call would be, not left for the agent to give up on after seconds. Unit: the servicer's own
+    handling, its coordinator replaced by one that fails."""
+    from remesh.coordinator.server import CoordinatorServicer
+    from remesh.coordinator.service import AgentStream
+
+    class Failing:
+        def _acknowledge(self, host_id: str, incarnation: int, ack: pb.AckEpochRequest) -> Any:
+            async def fail() -> bool:
+                raise RuntimeError("a fault")
+
+            return fail()
+
+    stream = AgentStream("host-1", 3)
+    asyncio.run(CoordinatorServicer._ack_on_stream(Failing(), pb.AckEpochRequest(epoch=4), stream))
+    (answer,) = stream.replies
+    assert answer.ack_reply.epoch == 4 and not answer.ack_reply.live
+    assert answer.ack_reply.code == grpc.StatusCode.UNKNOWN.value[0]
+    assert "a fault" in answer.ack_reply.details

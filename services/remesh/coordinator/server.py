@@ -427,6 +427,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             reply.live = await self._acknowledge(stream.host_id, stream.incarnation, ack)
         except CoordinatorError as exc:
             reply.code, reply.details = status_of(exc).value[0], str(exc)
+        except Exception as exc:
+            # A fault of the coordinator's own: answered as the call would be (UNKNOWN), at once,
+            # where no answer left the agent waiting out its budget before it tried the call.
+            log.exception(
+                "acknowledgement on a heartbeat stream failed", host=stream.host_id, epoch=ack.epoch
+            )
+            reply.code = grpc.StatusCode.UNKNOWN.value[0]
+            reply.details = f"the coordinator failed on this acknowledgement: {exc!r}"
         stream.reply(pb.HeartbeatResponse(ack_reply=reply))
 
     def _acknowledge(self, host_id: str, incarnation: int, ack: pb.AckEpochRequest) -> Awaitable[bool]:
