@@ -100,7 +100,9 @@ class _Streams:
     """Every open stream, and the count of writes of the round in progress."""
 
     def __init__(self) -> None:
-        self.streams: list[_Stream] = []
+        # A set: a stream whose client broke it leaves (its client opens another), so that a round
+        # counts only the streams open.
+        self.streams: set[_Stream] = set()
         self.written = 0
         self.expected = 0
         self.done: asyncio.Future[float] | None = None
@@ -133,7 +135,7 @@ class _Streams:
     ) -> AsyncIterator[bytes]:
         loop = asyncio.get_running_loop()
         me = _Stream()
-        self.streams.append(me)
+        self.streams.add(me)
 
         async def read() -> None:
             async for message in requests:
@@ -167,6 +169,8 @@ class _Streams:
                 me.bell = None
         finally:
             reader.cancel()
+            self.streams.discard(me)
+            self.relayed.pop(id(me), None)
 
 
 def _machine_busy_s() -> float:
