@@ -13,8 +13,10 @@ It trains nothing. On command it fails the way hosts fail:
 The orchestrator (``Fleet``, used by ``tests/test_fleet.py`` and ``benchmarks/scale.py``) starts the
 processes, sends them commands on stdin and reads what they saw on stdout, one JSON line each:
 ``{"ready": N}`` once every agent of the process is registered and streaming, then
-``{"host": H, "epoch": E, "t": T, "whole": W}`` for each topology an agent received (T: wall-clock
-time; W: false when it came as a delta from the one before) and
+``{"host": H, "epoch": E, "t": T, "whole": W, "via": V}`` for each new epoch an agent received
+(T: wall-clock time; W: false when it came as a delta from the one before; V: "heartbeat", or
+"relay" where it came first from a ``remesh relay``, with ``--relay``), ``{"following": H,
+"relay": R}`` when an agent starts (R true) or stops following its relay, and
 ``{"beats": N, "t": T}`` every second. Run a simulator by hand with ``python benchmarks/fleet.py
 --help``.
 """
@@ -122,8 +124,13 @@ class SimAgent:
         beats: list[int],
         ack_delay_s: float = 0.0,
         acks_on_stream: bool = True,
+        relay: str = "",
     ) -> None:
         self.host_id = host_id
+        # As an agent given --relay does: topologies from this relay (``remesh relay``) while it
+        # serves them, heartbeats saying so; from the heartbeat stream when it does not.
+        self.relay = relay
+        self.from_relay = False
         self.ack_delay_s = ack_delay_s
         # As an agent does: acknowledgements on the heartbeat stream where the coordinator answers
         # them there (RegisterResponse.acks_on_stream), else an AckEpoch call each.
@@ -141,6 +148,8 @@ class SimAgent:
         self._channel: grpc.aio.Channel | None = None
         self._acks: set[asyncio.Task[None]] = set()
         self.epoch = 0  # the newest epoch received
+        self.member = False  # whether that epoch's topology holds this host
+        self._acked: tuple[int, int] = (0, 0)  # the (incarnation, epoch) acknowledged last
         # The agent's own pauses and registration deadlines (its defaults), kept by the agent's link;
         # the channels are this simulator's (no keepalive pings: thousands per process).
         self._policy = CoordinatorLink(
@@ -216,11 +225,59 @@ class SimAgent:
                 yield message
 
         beating = asyncio.create_task(beat())
+        relaying = (
+            asyncio.create_task(
+                self._follow_relay(stub, incarnation, outgoing, outgoing if on_stream else None)
+            )
+            if self.relay
+            else None
+        )
         try:
             await self._read(stub, stub.Heartbeat(requests()), incarnation, outgoing if on_stream else None)
         finally:
             beating.cancel()
+            if relaying is not None:
+                relaying.cancel()
+            self.from_relay = False
             outgoing.put_nowait(None)
+
+    async def _follow_relay(
+        self,
+        stub: pb_grpc.CoordinatorStub,
+        incarnation: int,
+        beats: asyncio.Queue[pb.HeartbeatRequest | None],
+        outgoing: asyncio.Queue[pb.HeartbeatRequest | None] | None,
+    ) -> None:
+        """Topologies from the relay while it serves them, as an agent's ``_follow_relay`` takes them;
+        a heartbeat says so at once. A relay stream that ends hands them back to the heartbeat stream."""
+
+        def flag(value: bool) -> None:
+            if self.from_relay != value:
+                self.from_relay = value
+                _emit({"following": self.host_id, "relay": value})
+                if self.speaking.is_set():
+                    beats.put_nowait(self._heartbeat(incarnation))
+
+        while True:
+            channel = aio_channel(self.relay, self.tls)
+            try:
+                call = pb_grpc.TopologyRelayStub(channel).FollowTopology(
+                    pb.FollowTopologyRequest(host_id=self.host_id, topology_deltas=True)
+                )
+                held = 0
+                async for message in call:
+                    if not (message.HasField("topology") or message.HasField("topology_delta")):
+                        continue  # a keepalive
+                    held = self._received(message, held, "relay", stub, incarnation, outgoing)
+                    if held < 0:
+                        break
+                    flag(True)
+            except grpc.aio.AioRpcError as exc:
+                _emit({"stream_end": self.host_id, "code": f"relay {exc.code().name}"})
+            finally:
+                flag(False)
+                await channel.close(grace=None)
+            await asyncio.sleep(self._policy.reconnect_max_s * (0.5 + random.random()))
 
     async def _read(
         self,
@@ -234,26 +291,8 @@ class SimAgent:
         # (remesh.v1.deltas.apply: O(members) on its own host); a thousand of them in one process
         # would measure this process, not the coordinator, so a simulated one applies the delta to
         # what it keeps, and checks its base. A new stream starts with a whole topology.
-        member = False
+        held = 0  # the epoch this stream sent last
         async for message in call:
-            topology: pb.Topology | None = None
-            if message.HasField("topology"):
-                topology = message.topology
-                member = any(m.host_id == self.host_id for m in topology.members)
-            elif message.HasField("topology_delta"):
-                delta = message.topology_delta
-                if delta.base_epoch != self.epoch:
-                    detail = f"from {delta.base_epoch} on {self.epoch}"
-                    _emit({"delta_mismatch": self.host_id, "detail": detail})
-                    call.cancel()
-                    return
-                topology = delta.topology
-                if self.host_id in delta.removed:
-                    member = False
-                elif any(m.host_id == self.host_id for m in delta.changed):
-                    member = True
-            if topology is not None:
-                self.epoch = topology.epoch
             if message.HasField("ack_reply") and message.ack_reply.code:
                 refused = message.ack_reply
                 if not (
@@ -261,19 +300,58 @@ class SimAgent:
                     and self.epoch > refused.epoch
                 ):
                     _emit({"ack_failed": self.host_id, "epoch": refused.epoch, "code": str(refused.code)})
-            if self.epoch and topology is not None:
-                whole = message.HasField("topology")
-                _emit({"host": self.host_id, "epoch": self.epoch, "t": time.time(), "whole": whole})
-                if member and self.speaking.is_set():  # a silent host acknowledges nothing
-                    ack = asyncio.create_task(self._ack(stub, incarnation, self.epoch, outgoing))
-                    self._acks.add(ack)
-                    ack.add_done_callback(self._acks.discard)
+            if message.HasField("topology") or message.HasField("topology_delta"):
+                held = self._received(message, held, "heartbeat", stub, incarnation, outgoing)
+                if held < 0:
+                    call.cancel()
+                    return
             if message.command in (pb.COMMAND_REREGISTER, pb.COMMAND_DRAIN):
                 _emit({"stream_end": self.host_id, "code": pb.Command.Name(message.command)})
                 return  # register again (a drained host would leave; the simulator keeps it simple)
             if message.command == pb.COMMAND_FINISHED:
                 self.crashed = True
                 return
+
+    def _received(
+        self,
+        message: pb.HeartbeatResponse,
+        held: int,
+        stream: str,
+        stub: pb_grpc.CoordinatorStub,
+        incarnation: int,
+        outgoing: asyncio.Queue[pb.HeartbeatRequest | None] | None,
+    ) -> int:
+        """A topology or delta that came on ``stream`` (whose last epoch was ``held``); the epoch it
+        brings, or -1 when a delta does not apply (the stream is out of step). Recorded and
+        acknowledged once per epoch and incarnation, whichever stream brought it first."""
+        if message.HasField("topology"):
+            topology = message.topology
+            member = any(m.host_id == self.host_id for m in topology.members)
+        else:
+            delta = message.topology_delta
+            if delta.base_epoch != held:
+                _emit(
+                    {"delta_mismatch": self.host_id, "detail": f"{stream}: from {delta.base_epoch} on {held}"}
+                )
+                return -1
+            topology = delta.topology
+            if self.host_id in delta.removed:
+                member = False
+            elif any(m.host_id == self.host_id for m in delta.changed):
+                member = True
+            else:
+                member = self.member
+        if topology.epoch < self.epoch or (incarnation, topology.epoch) == self._acked:
+            return topology.epoch  # stale, or already in hand (it came on the other stream first)
+        self.epoch, self.member = topology.epoch, member
+        whole = message.HasField("topology")
+        _emit({"host": self.host_id, "epoch": self.epoch, "t": time.time(), "whole": whole, "via": stream})
+        self._acked = (incarnation, self.epoch)
+        if member and self.speaking.is_set():  # a silent host acknowledges nothing
+            ack = asyncio.create_task(self._ack(stub, incarnation, self.epoch, outgoing))
+            self._acks.add(ack)
+            ack.add_done_callback(self._acks.discard)
+        return topology.epoch
 
     def _heartbeat(self, incarnation: int, ack: pb.AckEpochRequest | None = None) -> pb.HeartbeatRequest:
         """One heartbeat of a running trainer, carrying ``ack`` when given."""
@@ -282,6 +360,7 @@ class SimAgent:
             incarnation=incarnation,
             trainer_status=pb.TRAINER_STATUS_RUNNING,
             topology_deltas=True,
+            topology_from_relay=self.from_relay,
             ack=ack,
         )
 
@@ -340,6 +419,7 @@ async def _simulate(args: argparse.Namespace) -> None:
             beats,
             args.ack_delay,
             args.acks == "stream",
+            args.relay,
         )
         for h in hosts
     }
@@ -397,9 +477,15 @@ class Fleet:
     # "stream": acknowledgements on the heartbeat stream where the coordinator offers it, as agents
     # send them; "unary": an AckEpoch call each, as agents did before.
     acks: str = "stream"
+    # Relays (``remesh relay`` addresses): simulator i's agents follow relays[i % len(relays)].
+    relays: Sequence[str] = ()
     arrivals: dict[int, dict[str, float]] = field(default_factory=dict)
     # The agents that received each epoch as a delta from the one before.
     as_delta: dict[int, set[str]] = field(default_factory=dict)
+    # The agents whose relay brought them each epoch first.
+    via_relay: dict[int, set[str]] = field(default_factory=dict)
+    # The agents that follow their relay now.
+    following: set[str] = field(default_factory=set)
     beats: list[tuple[float, int]] = field(default_factory=list)
     # What went wrong at the simulated agents, counted: acknowledgements given up, streams broken.
     trouble: Counter[str] = field(default_factory=Counter)
@@ -420,7 +506,7 @@ class Fleet:
             for h in everyone:
                 self.pki.tls(Role.HOST, h)
         shards = [everyone[i :: self.processes] for i in range(self.processes)]
-        for shard in shards:
+        for i, shard in enumerate(shards):
             args = [
                 sys.executable, str(Path(__file__).resolve()), "--coordinator", self.coordinator,
                 "--hosts", ",".join(shard), "--spares", ",".join(h for h in shard if h in set(self.spares)),
@@ -429,6 +515,8 @@ class Fleet:
             ]  # fmt: skip
             if self.pki is not None:
                 args += ["--pki", str(self.pki.directory)]
+            if self.relays:
+                args += ["--relay", self.relays[i % len(self.relays)]]
             proc = subprocess.Popen(
                 bound_to_parent(args),  # killed with whoever started it, even by SIGKILL
                 stdin=subprocess.PIPE,
@@ -461,6 +549,10 @@ class Fleet:
                     self.arrivals.setdefault(doc["epoch"], {}).setdefault(doc["host"], doc["t"])
                     if not doc["whole"]:
                         self.as_delta.setdefault(doc["epoch"], set()).add(doc["host"])
+                    if doc["via"] == "relay":
+                        self.via_relay.setdefault(doc["epoch"], set()).add(doc["host"])
+                elif "following" in doc:
+                    (self.following.add if doc["relay"] else self.following.discard)(doc["following"])
                 elif "beats" in doc:
                     self._beats_by_proc[proc.pid] = (doc["t"], doc["beats"])
                     self.beats.append((doc["t"], sum(b for _, b in self._beats_by_proc.values())))
@@ -495,6 +587,11 @@ class Fleet:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"simulators did not carry out {command!r}")
             time.sleep(0.01)
+
+    def relay_followers(self) -> set[str]:
+        """The agents that follow their relay now."""
+        with self._lock:
+            return set(self.following)
 
     def received(self, epoch: int) -> dict[str, float]:
         with self._lock:
@@ -546,6 +643,9 @@ def main() -> int:
         choices=("stream", "unary"),
         default="stream",
         help="acknowledge on the heartbeat stream where the coordinator offers it (as agents do), or by AckEpoch calls",
+    )
+    parser.add_argument(
+        "--relay", default="", help="host:port of a `remesh relay` the agents take their topologies from"
     )
     args = parser.parse_args()
     os.environ.setdefault("GRPC_VERBOSITY", "NONE")

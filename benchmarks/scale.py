@@ -21,7 +21,12 @@ The heartbeat interval grows with the fleet (the coordinator's ``--fleet-size`` 
 (the closed stream is the signal), silent detection does (six intervals).
 
     python benchmarks/scale.py [--hosts 1000,2000] [--crashes 5] [--silent 3] [--ack-delay 1.0]
-        [--acks stream|unary] [--floor-rounds 3]
+        [--acks stream|unary] [--floor-rounds 3] [--relays 0]
+
+With ``--relays R`` the coordinator writes each epoch to R topology relays (``remesh relay``, one per
+simulator process, on this machine too) and each relay to its simulator's agents; heartbeats and
+acknowledgements still go to the coordinator. ``relay_cpu_cores`` in the figures is the relays' CPU
+over the steady window, beside the coordinator's.
 
 A simulated trainer acknowledges a new epoch ``--ack-delay`` to twice that after its agent received
 it, as a real one does once it has re-meshed and restored (the demo's trainers: about 1.2 s); with
@@ -119,6 +124,7 @@ class Run:
         beats_per_second: float,
         ack_delay_s: float,
         acks: str = "stream",
+        relays: int = 0,
     ) -> None:
         self.job = f"scale-{uuid.uuid4().hex[:8]}"
         self.redis_server = redis_server
@@ -129,6 +135,8 @@ class Run:
         self.beats_per_second = beats_per_second
         self.ack_delay_s = ack_delay_s
         self.acks = acks
+        self.relays = relays
+        self.relay_pids: list[int] = []
         # What the coordinator's --fleet-size/--heartbeat-budget make of its preset.
         self.interval = DetectorSettings().for_fleet(hosts, beats_per_second).heartbeat_interval_s
         self.hosts = hosts
@@ -145,14 +153,23 @@ class Run:
             "--metrics-port", str(self.metrics_port),
         )  # fmt: skip
         self.pid = proc.pid
+        relays = []
+        for _ in range(self.relays):
+            relay, address = self.cluster.start_relay()
+            self.relay_pids.append(relay.pid)
+            relays.append(address)
         progress(
-            f"  {self.hosts} hosts: issuing certificates, starting simulators (interval {self.interval} s)"
+            f"  {self.hosts} hosts: issuing certificates, starting simulators (interval {self.interval} s"
+            + (f", {self.relays} relays" if self.relays else "")
+            + ")"
         )
         self.fleet = Fleet(
             self.cluster.address,
             self.active,
             self.spares,
-            processes=2,
+            relays=relays,
+            # A relay serves one simulator's agents, as a rack's relay serves its rack.
+            processes=max(2, self.relays),
             pki=self.cluster.pki,
             start_spread_s=max(2.0, self.hosts / 500),
             ack_delay_s=self.ack_delay_s,
@@ -173,6 +190,11 @@ class Run:
                 f"{exc}: epoch {epoch} acknowledged by {len(acked)} of {len(self.active)} hosts; "
                 f"the simulators saw {dict(self.fleet.trouble) or 'nothing wrong'}"
             ) from exc
+        if self.relays:
+            everyone = {*self.active, *self.spares}
+            fleet = self.fleet
+            wait_for(lambda: everyone <= fleet.relay_followers(), 300, "every agent to follow its relay")
+            progress(f"  {self.hosts} hosts: every agent takes its topologies from a relay")
 
     def events(self, types: list[Any], since: float = 0.0) -> list[pb.Event]:
         """The events of ``types`` (from ``since``), read incrementally: each call asks the coordinator
@@ -209,9 +231,10 @@ class Run:
 
     def steady(self, seconds: float) -> dict[str, float]:
         assert self.fleet is not None
-        c0, t0 = self.coordinator_cpu(), time.monotonic()
+        c0, r0, t0 = self.coordinator_cpu(), self.relay_cpu(), time.monotonic()
         time.sleep(seconds)
         cores = (self.coordinator_cpu() - c0) / (time.monotonic() - t0)
+        relay_cores = (self.relay_cpu() - r0) / (time.monotonic() - t0)
         client = redis.Redis.from_url(self.redis_server.url)
         try:
             memory = int(client.info("memory")["used_memory"])
@@ -220,8 +243,19 @@ class Run:
         return {
             "ingest_per_s": self.fleet.heartbeat_rate(seconds),
             "cpu_cores": cores,
+            "relay_cpu_cores": relay_cores,
             "redis_mb": memory / 2**20,
         }
+
+    def relay_cpu(self) -> float:
+        """CPU seconds the relays used, all of them together."""
+        total = 0.0
+        for pid in self.relay_pids:
+            cpu = cpu_seconds(pid)
+            if cpu is None:
+                raise RuntimeError(f"relay {pid} exited; see {self.cluster.tmp}")
+            total += cpu
+        return total
 
     def coordinator_cpu(self) -> float:
         cpu = cpu_seconds(self.pid)
@@ -375,6 +409,7 @@ def measure(run: Run, crashes: int, silents: int, rng: random.Random) -> dict[st
             "healthy_hosts_suspected": len(suspected),
             "correlated_failure_hosts": len(victims),
             "epochs_for_correlated_failure": len(epochs),
+            "relays": run.relays,
             "correlated_failure_to_epoch_s": round(published_at - t, 3),
             "correlated_failure_fanout_p99_s": round(correlated_fanout, 3),
             "correlated_failure_to_live_s": round(live_at - t, 3),
@@ -422,6 +457,13 @@ def main() -> int:
         default="stream",
         help="simulated agents acknowledge on their heartbeat stream (as agents do) or by AckEpoch calls",
     )
+    parser.add_argument(
+        "--relays",
+        type=int,
+        default=0,
+        help="topology relays (`remesh relay`) the simulated agents take their epochs from, one per "
+        "simulator process; 0: every epoch goes on each heartbeat stream",
+    )
     parser.add_argument("--seed", type=int, default=5)
     parser.add_argument(
         "--floor-rounds",
@@ -437,7 +479,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="remesh-scale-") as tmp:
         for hosts in (int(h) for h in args.hosts.split(",")):
             with RedisServer(appendonly=False) as redis_server:
-                run = Run(Path(tmp), redis_server, hosts, args.beats_per_second, args.ack_delay, args.acks)
+                run = Run(
+                    Path(tmp),
+                    redis_server,
+                    hosts,
+                    args.beats_per_second,
+                    args.ack_delay,
+                    args.acks,
+                    args.relays,
+                )
                 try:
                     results.append(measure(run, args.crashes, args.silent, rng))
                 except (TimeoutError, RuntimeError) as exc:
@@ -455,7 +505,7 @@ def main() -> int:
                 results[-1]["fanout_floor_write_s"] = floor["write_all_s_p50"]
     columns = [
         ("hosts", "hosts"), ("heartbeat_interval_s", "beat s"), ("ingest_per_s", "beats/s"),
-        ("cpu_cores", "coord cores"), ("redis_mb", "redis MiB"), ("crash_detect_p99_s", "crash p99"),
+        ("cpu_cores", "coord cores"), ("relay_cpu_cores", "relay cores"), ("redis_mb", "redis MiB"), ("crash_detect_p99_s", "crash p99"),
         ("silent_detect_p99_s", "silent p99"), ("fanout_p99_s", "fan-out p99"), ("fanout_floor_p99_s", "gRPC floor"), ("false_positives", "false +"),
         ("epochs_for_correlated_failure", "epochs (10%)"), ("correlated_failure_to_live_s", "10% to live"),
     ]  # fmt: skip
@@ -485,6 +535,7 @@ def main() -> int:
     last["sizes"] = [r["hosts"] for r in results]
     last["ack_delay_s"] = args.ack_delay
     last["acks"] = args.acks
+    last["relays"] = args.relays
     last["failed_sizes"] = {str(h): why for h, why in failed.items()}
     # Every figure on the line before; the last line carries exactly the keys issue #13 names.
     print("all figures: " + json.dumps(last))

@@ -52,6 +52,7 @@ from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
 from remesh.v1 import deltas
 from remesh.v1.contract import FINISHED_METADATA, Env, TrainerAssignment, commits_of, rank_of, recovery_id
+from remesh.v1.security import aio_channel
 
 __all__ = ["Agent", "AgentExit"]
 
@@ -179,6 +180,11 @@ class Agent:
         # The trainer's CPU time at the last heartbeat, and when it last changed (see _trainer_status).
         self._cpu_ticks: int | None = None
         self._cpu_changed_at: float | None = None
+        # Topologies come from the relay (settings.relay) now: heartbeats say so, and the coordinator
+        # writes none on the stream until they stop saying so.
+        self._from_relay = False
+        # One topology at a time, whichever stream brought it (the heartbeat stream's, the relay's).
+        self._topology_lock = asyncio.Lock()
 
     # ---- coordinator connection ------------------------------------------------------------------
 
@@ -354,13 +360,81 @@ class Agent:
         silence = max(self.settings.coordinator_silence_s, _KEEPALIVES_MISSED * reply.keepalive_s)
         self.metrics.connected.set(1)
         self._stream_acks = acks
+        reading = asyncio.ensure_future(self._read_stream(call, silence, acks))
+        following = asyncio.create_task(self._follow_relay(), name="relay") if self.settings.relay else None
         try:
-            await self._read_stream(call, silence, acks)
+            if following is None:
+                await reading
+            else:
+                # The relay follower runs until the session ends; what ends it early (the job
+                # halted, a command) ends the session as the heartbeat stream's would.
+                await asyncio.wait((reading, following), return_when=asyncio.FIRST_COMPLETED)
+                if following.done():
+                    reading.cancel()
+                    following.result()
+                await reading
         finally:
+            for task in (reading, following):
+                if task is not None and not task.done():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+            self._from_relay = False
             self.metrics.connected.set(0)
             if acks is not None:
                 acks.close()
             self._stream_acks = None
+
+    async def _follow_relay(self) -> None:
+        """Topologies from the relay (``settings.relay``) for as long as it serves them; while it does,
+        heartbeats say so and the coordinator writes none. A relay stream that ends or says nothing
+        for ``relay_silence_s`` (its keepalives stopped) hands the topologies back to the heartbeat
+        stream at once, and is opened again after a pause doubling up to ``reconnect_max_s``."""
+        relay, pause = self.settings.relay, self.settings.reconnect_initial_s
+        options = [("grpc.keepalive_time_ms", int(self.settings.keepalive_s * 1000))]
+        while True:
+            channel = aio_channel(relay, self.settings.tls, options)
+            held: pb.Topology | None = None
+            try:
+                call = pb_grpc.TopologyRelayStub(channel).FollowTopology(
+                    pb.FollowTopologyRequest(host_id=self.settings.host_id, topology_deltas=True)
+                )
+                while True:
+                    message = await asyncio.wait_for(call.read(), self.settings.relay_silence_s)
+                    if message is _EOF:
+                        reason = "the relay closed the stream"
+                        break
+                    if message.HasField("topology"):
+                        held = message.topology
+                    elif message.HasField("topology_delta"):
+                        held = deltas.apply(held or pb.Topology(), message.topology_delta)
+                    else:
+                        continue  # a keepalive
+                    if not self._from_relay:
+                        self._from_relay = True
+                        self._progress.set()  # the next heartbeat says so now
+                        self.log.info("topologies from the relay", relay=relay, epoch=held.epoch)
+                    pause = self.settings.reconnect_initial_s
+                    await self._on_topology(held, "relay")
+            except grpc.aio.AioRpcError as exc:
+                reason = f"{exc.code().name}: {exc.details()}"
+            except TimeoutError:
+                reason = f"the relay sent nothing for {self.settings.relay_silence_s}s"
+            except deltas.DeltaMismatch as exc:
+                reason = f"the relay stream is out of step ({exc})"
+            finally:
+                await channel.close(grace=None)
+            if self._from_relay:
+                self._from_relay = False
+                self._progress.set()  # the coordinator sends the current topology on the next heartbeat
+            self.log.warning(
+                "relay lost; topologies from the coordinator meanwhile",
+                relay=relay,
+                reason=reason,
+                retry_in_s=round(pause, 3),
+            )
+            await asyncio.sleep(pause * (0.5 + random.random()))
+            pause = min(self.settings.reconnect_max_s, 2 * pause)
 
     async def _read_stream(self, call: Any, silence: float, acks: StreamAcks | None) -> None:
         # The topology this stream sent last: a delta on it is a difference from that one.
@@ -427,6 +501,7 @@ class Agent:
                 trainer_status=self._trainer_status(),
                 probe=time.monotonic(),  # echoed in a keepalive: the round trip
                 topology_deltas=True,  # read from the first: new epochs may come as deltas
+                topology_from_relay=self._from_relay,
                 ack=acks.outbox.popleft() if acks is not None and acks.outbox else None,
             )
             if acks is not None and acks.outbox:
@@ -514,7 +589,11 @@ class Agent:
 
     async def _on_topology(self, topology: pb.Topology, sent_as: str) -> None:
         """A topology arrived on the heartbeat stream, ``sent_as`` "whole" or as a "delta" from the
-        one before it."""
+        one before it, or from the "relay"."""
+        async with self._topology_lock:
+            await self._on_topology_locked(topology, sent_as)
+
+    async def _on_topology_locked(self, topology: pb.Topology, sent_as: str) -> None:
         self.metrics.topology_received(sent_as)
         if topology.epoch < self.topology.epoch:
             return  # stale: the agent keeps the newer topology it has (the core says so too)

@@ -85,3 +85,10 @@ class AgentSettings:
     # HTTP/2 keepalive pings on the coordinator channel: a link that silently drops packets breaks
     # the stream after about twice this, instead of after TCP's minutes.
     keepalive_s: float = 0.5
+    # A relay (``remesh relay``, host:port) to take topologies from instead of the heartbeat stream:
+    # at thousands of hosts the coordinator then writes each epoch to a few relays. "": none.
+    # Heartbeats, acknowledgements and commands stay on the heartbeat stream either way.
+    relay: str = ""
+    # A relay stream silent this long (it sends an empty message every --keepalive, 2 s by default)
+    # is taken for lost: the topologies come from the coordinator again.
+    relay_silence_s: float = 8.0

@@ -259,7 +259,7 @@ class RegisterResponse(_message.Message):
     def __init__(self, member: _Optional[_Union[Member, _Mapping]] = ..., topology: _Optional[_Union[Topology, _Mapping]] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., keepalive_s: _Optional[float] = ..., acks_on_stream: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("host_id", "incarnation", "step", "trainer_status", "probe", "topology_deltas", "ack")
+    __slots__ = ("host_id", "incarnation", "step", "trainer_status", "probe", "topology_deltas", "ack", "topology_from_relay")
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -267,6 +267,7 @@ class HeartbeatRequest(_message.Message):
     PROBE_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_DELTAS_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_FROM_RELAY_FIELD_NUMBER: _ClassVar[int]
     host_id: str
     incarnation: int
     step: int
@@ -274,7 +275,8 @@ class HeartbeatRequest(_message.Message):
     probe: float
     topology_deltas: bool
     ack: AckEpochRequest
-    def __init__(self, host_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., step: _Optional[int] = ..., trainer_status: _Optional[_Union[TrainerStatus, str]] = ..., probe: _Optional[float] = ..., topology_deltas: _Optional[bool] = ..., ack: _Optional[_Union[AckEpochRequest, _Mapping]] = ...) -> None: ...
+    topology_from_relay: bool
+    def __init__(self, host_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., step: _Optional[int] = ..., trainer_status: _Optional[_Union[TrainerStatus, str]] = ..., probe: _Optional[float] = ..., topology_deltas: _Optional[bool] = ..., ack: _Optional[_Union[AckEpochRequest, _Mapping]] = ..., topology_from_relay: _Optional[bool] = ...) -> None: ...
 
 class AckReply(_message.Message):
     __slots__ = ("epoch", "live", "code", "details")
@@ -331,6 +333,14 @@ class WatchTopologyRequest(_message.Message):
     AFTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     after_epoch: int
     def __init__(self, after_epoch: _Optional[int] = ...) -> None: ...
+
+class FollowTopologyRequest(_message.Message):
+    __slots__ = ("host_id", "topology_deltas")
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_DELTAS_FIELD_NUMBER: _ClassVar[int]
+    host_id: str
+    topology_deltas: bool
+    def __init__(self, host_id: _Optional[str] = ..., topology_deltas: _Optional[bool] = ...) -> None: ...
 
 class ListMembersRequest(_message.Message):
     __slots__ = ("states",)

@@ -619,3 +619,90 @@ class Coordinator:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class TopologyRelayStub:
+    """Served by `remesh relay`: one relay follows the coordinator's WatchTopology and writes each new
+    epoch to the hosts that follow it, so that at thousands of hosts the coordinator writes an epoch to
+    a few relays instead of to every heartbeat stream. Only topologies go through a relay: heartbeats,
+    acknowledgements and commands stay on each agent's own stream to the coordinator.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.FollowTopology = channel.unary_stream(
+                '/remesh.v1.TopologyRelay/FollowTopology',
+                request_serializer=remesh_dot_v1_dot_coordinator__pb2.FollowTopologyRequest.SerializeToString,
+                response_deserializer=remesh_dot_v1_dot_coordinator__pb2.HeartbeatResponse.FromString,
+                _registered_method=True)
+
+
+class TopologyRelayServicer:
+    """Served by `remesh relay`: one relay follows the coordinator's WatchTopology and writes each new
+    epoch to the hosts that follow it, so that at thousands of hosts the coordinator writes an epoch to
+    a few relays instead of to every heartbeat stream. Only topologies go through a relay: heartbeats,
+    acknowledgements and commands stay on each agent's own stream to the coordinator.
+    """
+
+    def FollowTopology(self, request, context):
+        """The current topology whole, then each new epoch (as a delta where asked), and an empty message
+        when there is nothing to say for a keepalive period. Ends UNAVAILABLE when the relay loses the
+        coordinator: the follower then takes its topologies from its heartbeat stream again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_TopologyRelayServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'FollowTopology': grpc.unary_stream_rpc_method_handler(
+                    servicer.FollowTopology,
+                    request_deserializer=remesh_dot_v1_dot_coordinator__pb2.FollowTopologyRequest.FromString,
+                    response_serializer=remesh_dot_v1_dot_coordinator__pb2.HeartbeatResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'remesh.v1.TopologyRelay', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('remesh.v1.TopologyRelay', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class TopologyRelay:
+    """Served by `remesh relay`: one relay follows the coordinator's WatchTopology and writes each new
+    epoch to the hosts that follow it, so that at thousands of hosts the coordinator writes an epoch to
+    a few relays instead of to every heartbeat stream. Only topologies go through a relay: heartbeats,
+    acknowledgements and commands stay on each agent's own stream to the coordinator.
+    """
+
+    @staticmethod
+    def FollowTopology(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/remesh.v1.TopologyRelay/FollowTopology',
+            remesh_dot_v1_dot_coordinator__pb2.FollowTopologyRequest.SerializeToString,
+            remesh_dot_v1_dot_coordinator__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from remesh.cli import _agent, _certs, _coordinator, _demo, _ops
+from remesh.cli import _agent, _certs, _coordinator, _demo, _ops, _relay
 from remesh.cli.logs import configure_logging
 
 __all__ = ["main"]
@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _coordinator.add_parser(sub)
     _agent.add_parser(sub)
+    _relay.add_parser(sub)
     _ops.add_parsers(sub)
     _demo.add_parser(sub)
     _certs.add_parser(sub)

@@ -31,6 +31,12 @@ def add_parser(sub: Any) -> None:
         default=os.environ.get("REMESH_COORDINATOR", "127.0.0.1:50051"),
         help="coordinator address host:port, or several separated by commas (env REMESH_COORDINATOR)",
     )
+    p.add_argument(
+        "--relay",
+        default=os.environ.get("REMESH_RELAY", ""),
+        help="host:port of a `remesh relay` to take topology epochs from (env REMESH_RELAY; for fleets "
+        "of thousands; heartbeats still go to the coordinator, which sends epochs again if the relay fails)",
+    )
     p.add_argument("--host-id", default=os.environ.get("REMESH_HOST_ID"), help="this host's stable id")
     p.add_argument("--spare", action="store_true", help="join as a hot spare")
     p.add_argument("--devices", type=int, default=1, help="accelerator devices on this host")
@@ -123,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
         metrics_address=args.metrics_address,
         log_json=args.log_json,
         tls=tls,
+        relay=args.relay,
     )
     return asyncio.run(_main(Agent(settings)))
 

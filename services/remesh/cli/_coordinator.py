@@ -246,7 +246,7 @@ async def _serve(settings: Settings, tls: Tls | None, port_file: str | None) -> 
         log.error("cannot start", error=str(exc))
         return 2
     if port_file:
-        _write_port_file(port_file, running.port)
+        write_port_file(port_file, running.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -257,7 +257,7 @@ async def _serve(settings: Settings, tls: Tls | None, port_file: str | None) -> 
     return 0
 
 
-def _write_port_file(path: str, port: int) -> None:
+def write_port_file(path: str, port: int) -> None:
     # Written atomically: a launcher polling for the file never reads half a number.
     tmp = Path(f"{path}.tmp")
     tmp.write_text(str(port))

@@ -50,6 +50,9 @@ POLICY: Mapping[str, Rule] = {
     # The topology is what every agent follows.
     "GetTopology": Rule(_EVERYONE),
     "WatchTopology": Rule(_EVERYONE),
+    # Served by a relay (`remesh relay`), which runs with a coordinator certificate: an agent
+    # follows the topology there for its own host only.
+    "FollowTopology": _AGENT,
     # Member addresses and the event log: operators and readers.
     "ListMembers": Rule(_READERS),
     "GetMember": Rule(_READERS),

@@ -201,12 +201,13 @@ def _server_stream(
     return handler
 
 
-def add_servicer(servicer: CoordinatorServicer, server: grpc.aio.Server) -> None:
+def add_servicer(servicer: Any, server: grpc.aio.Server, service_name: str = "Coordinator") -> None:
     """Like the generated ``add_CoordinatorServicer_to_server``, but every call passes the access policy
-    first (``remesh.coordinator.auth``), and a request that does not parse gets INVALID_ARGUMENT with
-    the reason (the generated code answers a bare UNKNOWN). The heartbeat stream is checked by the
-    servicer, on its first message (the host it is for)."""
-    service = pb.DESCRIPTOR.services_by_name["Coordinator"]
+    first (``servicer.auth``, ``remesh.coordinator.auth``), and a request that does not parse gets
+    INVALID_ARGUMENT with the reason (the generated code answers a bare UNKNOWN). The heartbeat stream
+    is checked by the servicer, on its first message (the host it is for). ``service_name``: the
+    service of ``remesh.v1`` that ``servicer`` implements (a relay's is TopologyRelay)."""
+    service = pb.DESCRIPTOR.services_by_name[service_name]
     handlers: dict[str, grpc.RpcMethodHandler] = {}
     for method in service.methods:
         impl = getattr(servicer, method.name)
@@ -328,23 +329,29 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         reader = asyncio.create_task(self._read(request_iterator, first, probe, stream))
         reader.add_done_callback(lambda _: stream.ring())
         keepalive = self._c.settings.stream_keepalive_s
-        # The topology sent last on this stream: a later one goes as a delta from it when the agent
-        # applies deltas, whole otherwise.
-        sent = self._encode(self._c.state.topology)
+        stream.from_relay = first.topology_from_relay
+        # The topology sent last on this stream (None: none yet, or its agent follows a relay): a
+        # later one goes as a delta from it when the agent applies deltas, whole otherwise.
+        sent: _Encoded | None = None
         try:
-            yield sent.whole
             while True:
                 # What is due, in this order: a newer topology (only the newest: it supersedes the
-                # ones before), the agent's commands, the end of the agent's side.
+                # ones before; none while a relay carries them), the agent's commands, the end of
+                # the agent's side.
                 topology = self._c.state.topology
-                if topology is not None and topology.epoch > sent.message.epoch:
+                if stream.from_relay:
+                    sent = None  # should the relay be lost, the current topology goes whole
+                elif sent is None or (topology is not None and topology.epoch > sent.message.epoch):
                     encoded = self._encode(topology)
-                    yield encoded.reply(sent.message if first.topology_deltas else None)
-                    # Written: how long this stream's agent waited on the coordinator for it. Only
-                    # for an agent still sending (a host that just failed is rung with the epoch
-                    # that replaces it before its handler sees its side end).
-                    if not reader.done():
-                        self._c.metrics.delivery.observe(max(0.0, time.time() - topology.created_at))
+                    if sent is None:
+                        yield encoded.whole
+                    else:
+                        yield encoded.reply(sent.message if first.topology_deltas else None)
+                        # Written: how long this stream's agent waited on the coordinator for it.
+                        # Only for an agent still sending (a host that just failed is rung with the
+                        # epoch that replaces it before its handler sees its side end).
+                        if topology is not None and not reader.done():
+                            self._c.metrics.delivery.observe(max(0.0, time.time() - topology.created_at))
                     sent = encoded
                     continue
                 if stream.replies:
@@ -406,6 +413,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     f"got {request.host_id} incarnation {request.incarnation}"
                 )
             probe.value, probe.received = request.probe, time.monotonic()
+            if request.topology_from_relay != stream.from_relay:
+                stream.from_relay = request.topology_from_relay
+                stream.ring()  # a stream back from its relay gets the current topology now
             await self._c.heartbeat(request.host_id, request.incarnation, request.step, _idle(request))
             if request.HasField("ack"):
                 # Committed with the other members' in the next batch; the stream reads on meanwhile.

@@ -105,6 +105,8 @@ class AgentStream:
     commands: collections.deque[tuple[str, str]] = field(default_factory=collections.deque)
     # Answers to the acknowledgements the stream carried, encoded by the server, to write in order.
     replies: collections.deque[Any] = field(default_factory=collections.deque)
+    # Its agent takes topologies from a relay (HeartbeatRequest.topology_from_relay): none written here.
+    from_relay: bool = False
     _bell: asyncio.Future[bool] | None = None
 
     def command(self, command: str, reason: str) -> None:

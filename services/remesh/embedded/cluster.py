@@ -222,6 +222,26 @@ class LocalCluster:
         self.coordinator = proc
         return proc
 
+    def start_relay(self, *extra: str, name: str = "") -> tuple[Proc, str]:
+        """A ``remesh relay`` following this cluster's coordinators (identity coordinator/``name``);
+        the process and the address agents reach it at."""
+        name = name or f"relay-{len(self.procs)}"
+        port_file = self.tmp / f"{name}.port"
+        args = [
+            sys.executable, "-m", "remesh.cli", "relay",
+            "--coordinator", ",".join(self.addresses) or self.address,
+            "--listen", "127.0.0.1:0", "--port-file", str(port_file), *extra,
+            *self._identity(extra, Role.COORDINATOR, name),
+        ]  # fmt: skip
+        proc = Proc(args, self.tmp / f"{name}.log")
+        self.procs.append(proc)
+        wait_for(lambda: port_file.exists() or not proc.alive(), 30, f"relay {name} to serve")
+        if not proc.alive():
+            raise RuntimeError(
+                f"relay {name} exited with code {proc.popen.returncode}:\n{proc.output()[-4000:]}"
+            )
+        return proc, f"127.0.0.1:{int(port_file.read_text())}"
+
     def start_agent(
         self,
         host_id: str,

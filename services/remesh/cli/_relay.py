@@ -1,0 +1,80 @@
+"""``remesh relay``: carry the coordinator's topology epochs to the hosts of a rack or slice."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+from typing import Any
+
+import structlog
+
+from remesh.cli.tls_options import add_tls_arguments, tls_from_args
+from remesh.v1.security import Tls
+
+log = structlog.get_logger("remesh.cli")
+
+
+def add_parser(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "relay",
+        help="relay topology epochs from the coordinator to many hosts",
+        description=(
+            "Follow the coordinator's topology once and serve it to the agents that name this relay "
+            "(remesh agent --relay): at thousands of hosts the coordinator then writes each new epoch to "
+            "a few relays instead of to every host. Heartbeats stay between each agent and the coordinator."
+        ),
+    )
+    p.add_argument(
+        "--coordinator",
+        default=os.environ.get("REMESH_COORDINATOR", "127.0.0.1:50051"),
+        help="coordinator address host:port, or several separated by commas (env REMESH_COORDINATOR)",
+    )
+    p.add_argument("--listen", default="0.0.0.0:50061", help="gRPC address agents reach this relay at")
+    p.add_argument(
+        "--keepalive",
+        type=float,
+        default=2.0,
+        help="seconds between empty messages on an idle stream (an agent takes a relay silent for 8 s for "
+        "lost, so keep this well under that)",
+    )
+    p.add_argument("--port-file", help="write the bound port to this file once serving")
+    add_tls_arguments(p, "this relay's (role coordinator: agents check the coordinator's name)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    coordinators = [a.strip() for a in args.coordinator.split(",") if a.strip()]
+    if not coordinators or args.keepalive <= 0:
+        log.error("invalid settings", hint="give --coordinator HOST:PORT[,...] and a positive --keepalive")
+        return 2
+    try:
+        tls = tls_from_args(args)
+    except ValueError as exc:
+        log.error("invalid TLS settings", error=str(exc))
+        return 2
+    return asyncio.run(_serve(args.listen, coordinators, tls, args.keepalive, args.port_file))
+
+
+async def _serve(
+    listen: str, coordinators: list[str], tls: Tls | None, keepalive_s: float, port_file: str | None
+) -> int:
+    from remesh.cli._coordinator import write_port_file
+    from remesh.coordinator.relay import serve_relay
+
+    try:
+        running = await serve_relay(listen, coordinators, tls, keepalive_s=keepalive_s)
+    except OSError as exc:
+        log.error("cannot start", error=str(exc))
+        return 2
+    if port_file:
+        write_port_file(port_file, running.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("relay stopping")
+    await running.stop()
+    return 0

@@ -1,0 +1,255 @@
+"""A topology relay (``remesh relay``): one stream from the coordinator, written on to many hosts.
+
+At thousands of hosts the coordinator's largest cost in a recovery is writing the new epoch to every
+heartbeat stream (``docs/scale.md``). A relay follows the coordinator's ``WatchTopology`` once and
+serves ``TopologyRelay.FollowTopology`` to the hosts of its rack or slice: the coordinator writes an
+epoch to a few relays, and each relay writes it to its share of the hosts, in parallel on other CPUs.
+
+Only topologies go through a relay. Heartbeats, stream breaks, acknowledgements and commands stay on
+each agent's own stream to the coordinator, so failure detection does not depend on a relay, and a
+relay's death loses no liveness: an agent whose relay stream ends clears
+``HeartbeatRequest.topology_from_relay`` and gets its topologies from the coordinator again.
+
+A relay that loses the coordinator ends every stream it serves (UNAVAILABLE) and refuses new ones
+until it follows the coordinator again: it never serves a topology it cannot vouch for as current.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+import structlog
+
+from remesh.coordinator.auth import Authorizer
+from remesh.coordinator.metrics import Metrics
+from remesh.coordinator.server import add_servicer, listen_host
+from remesh.v1 import coordinator_pb2 as pb
+from remesh.v1 import coordinator_pb2_grpc as pb_grpc
+from remesh.v1 import deltas
+from remesh.v1.security import Tls, aio_channel
+
+__all__ = ["RelayServicer", "RunningRelay", "follow_coordinator", "serve_relay"]
+
+log = structlog.get_logger("remesh.relay")
+
+_KEEPALIVE = pb.HeartbeatResponse().SerializeToString()
+# Topologies kept as bases for deltas: a follower further behind gets the next one whole.
+_BASES = 4
+
+
+class _Lost(Exception):
+    """This relay lost the coordinator: the stream ends so its agent goes back to its heartbeat stream."""
+
+
+class RelayServicer(pb_grpc.TopologyRelayServicer):
+    """The relay's side of its followers: the newest topology it got from the coordinator, encoded
+    once per epoch (and once per delta base) for every follower, and a doorbell per waiting stream."""
+
+    def __init__(self, auth: Authorizer, keepalive_s: float) -> None:
+        self.auth = auth
+        self.keepalive_s = keepalive_s
+        self.topology: pb.Topology | None = None  # None: not following the coordinator now
+        self.followers = 0
+        self._whole = b""
+        # base epoch -> (the base, the delta reply from it; None: the whole one instead)
+        self._deltas: dict[int, tuple[pb.Topology, bytes | None]] = {}
+        self._bells: set[asyncio.Future[bool]] = set()
+        self._generation = 0  # bumped when the coordinator is lost: older streams end
+        self._loss = "this relay is not following the coordinator yet"
+
+    def publish(self, topology: pb.Topology) -> None:
+        """A topology from the coordinator: the new current one, written to every follower."""
+        if self.topology is not None and topology.epoch <= self.topology.epoch:
+            return
+        self.topology = topology
+        self._whole = pb.HeartbeatResponse(topology=topology).SerializeToString()
+        self._deltas = {}
+        self._ring()
+
+    def lost(self, reason: str) -> None:
+        """The coordinator's stream ended: every follower is told to go back to its heartbeat stream."""
+        self.topology = None
+        self._loss = reason
+        self._generation += 1
+        self._ring()
+
+    def _ring(self) -> None:
+        bells, self._bells = self._bells, set()
+        for bell in bells:
+            if not bell.done():
+                bell.set_result(True)
+
+    def _reply(self, base: pb.Topology | None) -> bytes:
+        """The current topology for a follower that last got ``base`` (None: it takes whole ones)."""
+        current = self.topology
+        assert current is not None
+        if base is None or not 0 < base.epoch < current.epoch:
+            return self._whole
+        cached = self._deltas.get(base.epoch)
+        if cached is None or cached[0] is not base:
+            d = deltas.delta(base, current)
+            encoded = None if d is None else pb.HeartbeatResponse(topology_delta=d).SerializeToString()
+            cached = self._deltas[base.epoch] = (base, encoded)
+            while len(self._deltas) > _BASES:
+                del self._deltas[min(self._deltas)]
+        return cached[1] or self._whole
+
+    async def _wait(self) -> bool:
+        """Until a new topology or a loss (True), or a keepalive period with neither (False)."""
+        loop = asyncio.get_running_loop()
+        bell: asyncio.Future[bool] = loop.create_future()
+        self._bells.add(bell)
+        timer = loop.call_later(self.keepalive_s, _quiet, bell)
+        try:
+            return await bell
+        finally:
+            timer.cancel()
+            self._bells.discard(bell)
+
+    async def FollowTopology(
+        self, request: pb.FollowTopologyRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        generation = self._generation
+        if self.topology is None:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"{self._loss}: follow the coordinator meanwhile"
+            )
+        self.followers += 1
+        sent: pb.Topology | None = None
+        try:
+            while True:
+                current = self.topology
+                if generation != self._generation or current is None:
+                    raise _Lost(self._loss)
+                if sent is None or current.epoch > sent.epoch:
+                    yield self._reply(sent if request.topology_deltas else None)
+                    sent = current
+                    continue
+                if not await self._wait():
+                    yield _KEEPALIVE
+        except _Lost as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{exc}: follow the coordinator meanwhile")
+        finally:
+            self.followers -= 1
+
+
+def _quiet(bell: asyncio.Future[bool]) -> None:
+    if not bell.done():
+        bell.set_result(False)
+
+
+async def follow_coordinator(
+    servicer: RelayServicer,
+    coordinators: Sequence[str],
+    tls: Tls | None,
+    *,
+    keepalive_s: float = 1.0,
+    retry_max_s: float = 5.0,
+) -> None:
+    """Follow the coordinator's topology into ``servicer`` for ever: the first address that answers,
+    the next one after a failure (a pause doubling up to ``retry_max_s``, jittered). A silent
+    coordinator is noticed by gRPC keepalive pings (``keepalive_s``)."""
+    options = [
+        ("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(2 * keepalive_s * 1000)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        # A whole topology of tens of thousands of members is a few MB.
+        ("grpc.max_receive_message_length", 64 * 2**20),
+    ]
+    pause, attempt = 0.2, 0
+    while True:
+        address = coordinators[attempt % len(coordinators)]
+        channel = aio_channel(address, tls, options)
+        reason = f"the stream from the coordinator at {address} ended"
+        try:
+            call = pb_grpc.CoordinatorStub(channel).WatchTopology(pb.WatchTopologyRequest())
+            async for topology in call:
+                if servicer.topology is None:
+                    log.info("following the coordinator", coordinator=address, epoch=topology.epoch)
+                servicer.publish(topology)
+                pause = 0.2
+        except grpc.aio.AioRpcError as exc:
+            reason = f"lost the coordinator at {address} ({exc.code().name}: {exc.details()})"
+        finally:
+            await channel.close(grace=None)
+        was_following = servicer.topology is not None
+        servicer.lost(reason)
+        log.warning(
+            "relay lost the coordinator; its followers go back to their heartbeat streams",
+            coordinator=address,
+            reason=reason,
+            followers=servicer.followers if was_following else 0,
+            retry_in_s=round(pause, 2),
+        )
+        await asyncio.sleep(pause * (0.5 + random.random()))
+        pause = min(retry_max_s, 2 * pause)
+        attempt += 1
+
+
+@dataclass
+class RunningRelay:
+    servicer: RelayServicer
+    server: grpc.aio.Server
+    port: int
+    following: asyncio.Task[None]
+
+    async def stop(self, grace: float = 0.5) -> None:
+        self.following.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.following
+        self.servicer.lost("the relay is stopping")
+        await self.server.stop(grace)
+
+    async def wait(self) -> None:
+        await self.server.wait_for_termination()
+
+
+async def serve_relay(
+    listen: str,
+    coordinators: Sequence[str],
+    tls: Tls | None,
+    *,
+    keepalive_s: float = 2.0,
+    max_followers: int = 20_000,
+) -> RunningRelay:
+    """Serve ``TopologyRelay`` on ``listen`` (port 0: a free one), following ``coordinators``.
+
+    With ``tls`` (a coordinator certificate: agents check the coordinator's name on a relay too)
+    every follower must present a host certificate of the job's CA, for its own host."""
+    servicer = RelayServicer(Authorizer(Metrics(), secure=tls is not None), keepalive_s)
+    server = grpc.aio.server(
+        maximum_concurrent_rpcs=max_followers,
+        options=[
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 100),
+            ("grpc.http2.max_ping_strikes", 0),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.server.max_pending_requests", max_followers),
+            ("grpc.server.max_pending_requests_hard_limit", max_followers),
+        ],
+    )
+    add_servicer(servicer, server, "TopologyRelay")
+    try:
+        if tls is None:
+            port = server.add_insecure_port(listen)
+        else:
+            port = server.add_secure_port(listen, tls.server_credentials())
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        raise OSError(f"cannot listen on {listen}: the address is taken or invalid; pick another --listen")
+    await server.start()
+    following = asyncio.create_task(follow_coordinator(servicer, coordinators, tls), name="follow")
+    log.info(
+        "relay serving",
+        port=port,
+        host=listen_host(listen),
+        coordinators=list(coordinators),
+        tls=tls is not None,
+    )
+    return RunningRelay(servicer, server, port, following)
