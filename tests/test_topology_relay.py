@@ -79,34 +79,30 @@ def test_a_relay_sends_the_topology_whole_then_deltas_and_keepalives() -> None:
     asyncio.run(go())
 
 
-def test_a_relay_that_loses_the_coordinator_ends_its_streams_and_refuses_new_ones() -> None:
-    async def refused(stub: pb_grpc.TopologyRelayStub) -> str:
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
-            call = stub.FollowTopology(pb.FollowTopologyRequest(host_id="host-0"))
-            while True:
-                await asyncio.wait_for(call.read(), 5)
-        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-        return caught.value.details() or ""
-
+def test_a_relay_that_loses_the_coordinator_ends_the_streams_it_served_and_holds_new_ones() -> None:
     async def go() -> None:
         async with _relay() as (servicer, stub, _):
-            assert "not following the coordinator" in await refused(stub)
+            # Not following the coordinator yet: a follower is held, with keepalives only.
+            early = stub.FollowTopology(pb.FollowTopologyRequest(host_id="host-0", topology_deltas=True))
+            assert not (await asyncio.wait_for(early.read(), 5)).ListFields()
             servicer.publish(_topology(3, ["host-0", "host-1"]))
-            call = stub.FollowTopology(pb.FollowTopologyRequest(host_id="host-0", topology_deltas=True))
-            assert (await call.read()).topology.epoch == 3
+            assert (await asyncio.wait_for(early.read(), 5)).topology.epoch == 3
             servicer.lost("lost the coordinator at 127.0.0.1:1 (UNAVAILABLE: gone)")
             with pytest.raises(grpc.aio.AioRpcError) as ended:
                 while True:
-                    await asyncio.wait_for(call.read(), 5)
+                    await asyncio.wait_for(early.read(), 5)
             assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "lost the coordinator" in (ended.value.details() or "")
             assert servicer.followers == 0
-            assert "lost the coordinator" in await refused(stub)
+            # Lost: a new follower is held again, and a failed attempt more ends nobody's stream.
+            late = stub.FollowTopology(pb.FollowTopologyRequest(host_id="host-1"))
+            assert not (await asyncio.wait_for(late.read(), 5)).ListFields()
+            servicer.lost("lost the coordinator at 127.0.0.1:1 (UNAVAILABLE: still gone)")
+            assert not (await asyncio.wait_for(late.read(), 5)).ListFields()
             # Following again, it serves the coordinator's topology, whatever epoch it had before.
-            servicer.publish(_topology(2, ["host-0"]))
-            back = stub.FollowTopology(pb.FollowTopologyRequest(host_id="host-0"))
-            assert (await asyncio.wait_for(back.read(), 5)).topology.epoch == 2
-            back.cancel()
+            servicer.publish(_topology(2, ["host-1"]))
+            assert (await asyncio.wait_for(late.read(), 5)).topology.epoch == 2
+            late.cancel()
 
     asyncio.run(go())
 

@@ -650,8 +650,9 @@ class TopologyRelayServicer:
 
     def FollowTopology(self, request, context):
         """The current topology whole, then each new epoch (as a delta where asked), and an empty message
-        when there is nothing to say for a keepalive period. Ends UNAVAILABLE when the relay loses the
-        coordinator: the follower then takes its topologies from its heartbeat stream again.
+        when there is nothing to say for a keepalive period. A relay that does not follow the coordinator
+        yet sends keepalives only. Ends UNAVAILABLE when the relay loses the coordinator after it sent a
+        topology: the follower then takes its topologies from its heartbeat stream again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -10,8 +10,11 @@ each agent's own stream to the coordinator, so failure detection does not depend
 relay's death loses no liveness: an agent whose relay stream ends clears
 ``HeartbeatRequest.topology_from_relay`` and gets its topologies from the coordinator again.
 
-A relay that loses the coordinator ends every stream it serves (UNAVAILABLE) and refuses new ones
-until it follows the coordinator again: it never serves a topology it cannot vouch for as current.
+A relay that loses the coordinator ends every stream it served a topology on (UNAVAILABLE): it never
+leaves a topology it cannot vouch for as current in an agent's hands. A stream opened while the relay
+does not follow the coordinator (before its first topology, or after a loss) is held open with
+keepalives and served once it does: thousands of agents retrying a refusal would cost the relay a TLS
+handshake each, every few seconds.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ class RelayServicer(pb_grpc.TopologyRelayServicer):
         self._deltas: dict[int, tuple[pb.Topology, bytes | None]] = {}
         self._bells: set[asyncio.Future[bool]] = set()
         self._generation = 0  # bumped when the coordinator is lost: older streams end
-        self._loss = "this relay is not following the coordinator yet"
+        self._loss = ""
 
     def publish(self, topology: pb.Topology) -> None:
         """A topology from the coordinator: the new current one, written to every follower."""
@@ -72,7 +75,10 @@ class RelayServicer(pb_grpc.TopologyRelayServicer):
         self._ring()
 
     def lost(self, reason: str) -> None:
-        """The coordinator's stream ended: every follower is told to go back to its heartbeat stream."""
+        """The coordinator's stream ended: every follower served a topology goes back to its heartbeat
+        stream (the others wait for the relay to follow again)."""
+        if self.topology is None:
+            return  # another failed attempt: nobody holds a topology of this relay's
         self.topology = None
         self._loss = reason
         self._generation += 1
@@ -115,18 +121,14 @@ class RelayServicer(pb_grpc.TopologyRelayServicer):
         self, request: pb.FollowTopologyRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes]:
         generation = self._generation
-        if self.topology is None:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, f"{self._loss}: follow the coordinator meanwhile"
-            )
         self.followers += 1
         sent: pb.Topology | None = None
         try:
             while True:
-                current = self.topology
-                if generation != self._generation or current is None:
+                if generation != self._generation:
                     raise _Lost(self._loss)
-                if sent is None or current.epoch > sent.epoch:
+                current = self.topology
+                if current is not None and (sent is None or current.epoch > sent.epoch):
                     yield self._reply(sent if request.topology_deltas else None)
                     sent = current
                     continue
