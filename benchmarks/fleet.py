@@ -341,8 +341,10 @@ class SimAgent:
                 member = True
             else:
                 member = self.member
-        if topology.epoch < self.epoch or (incarnation, topology.epoch) == self._acked:
-            return topology.epoch  # stale, or already in hand (it came on the other stream first)
+        if topology.epoch == 0 or topology.epoch < self.epoch or (incarnation, topology.epoch) == self._acked:
+            # No job yet (the empty topology before its first epoch), stale, or already in hand (it
+            # came on the other stream first).
+            return topology.epoch
         self.epoch, self.member = topology.epoch, member
         whole = message.HasField("topology")
         _emit({"host": self.host_id, "epoch": self.epoch, "t": time.time(), "whole": whole, "via": stream})

@@ -247,11 +247,7 @@ async def _serve(settings: Settings, tls: Tls | None, port_file: str | None) -> 
         return 2
     if port_file:
         write_port_file(port_file, running.port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await until_signalled()
     log.info("coordinator stopping")
     await running.stop()
     return 0
@@ -262,3 +258,12 @@ def write_port_file(path: str, port: int) -> None:
     tmp = Path(f"{path}.tmp")
     tmp.write_text(str(port))
     tmp.replace(path)
+
+
+async def until_signalled() -> None:
+    """Until SIGINT or SIGTERM: how a serving command waits before it stops gracefully."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()

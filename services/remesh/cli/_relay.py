@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 from typing import Any
 
 import structlog
@@ -60,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
 async def _serve(
     listen: str, coordinators: list[str], tls: Tls | None, keepalive_s: float, port_file: str | None
 ) -> int:
-    from remesh.cli._coordinator import write_port_file
+    from remesh.cli._coordinator import until_signalled, write_port_file
     from remesh.coordinator.relay import serve_relay
 
     try:
@@ -70,11 +69,7 @@ async def _serve(
         return 2
     if port_file:
         write_port_file(port_file, running.port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await until_signalled()
     log.info("relay stopping")
     await running.stop()
     return 0

@@ -171,8 +171,14 @@ async def follow_coordinator(
         reason = f"the stream from the coordinator at {address} ended"
         try:
             call = pb_grpc.CoordinatorStub(channel).WatchTopology(pb.WatchTopologyRequest())
+            await call.wait_for_connection()
+            if servicer.topology is None:
+                # Before the job's first epoch the coordinator has no topology to send: its followers
+                # get the empty one it would write on their heartbeat streams, so that they say so
+                # and the first epoch reaches each of them once (from here), not twice, whole.
+                servicer.publish(pb.Topology(epoch=0, restore_step=-1))
             async for topology in call:
-                if servicer.topology is None:
+                if servicer.topology is None or servicer.topology.epoch == 0:
                     log.info("following the coordinator", coordinator=address, epoch=topology.epoch)
                 servicer.publish(topology)
                 pause = 0.2
