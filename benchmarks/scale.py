@@ -155,7 +155,9 @@ class Run:
         self.pid = proc.pid
         relays = []
         for _ in range(self.relays):
-            relay, address = self.cluster.start_relay()
+            # Keepalives as far apart as the coordinator's at this size (its heartbeat interval):
+            # each is a write to every follower, 5000 of them per relay here.
+            relay, address = self.cluster.start_relay("--keepalive", str(self.interval))
             self.relay_pids.append(relay.pid)
             relays.append(address)
         progress(

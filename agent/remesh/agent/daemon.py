@@ -391,7 +391,7 @@ class Agent:
         for ``relay_silence_s`` (its keepalives stopped) hands the topologies back to the heartbeat
         stream at once, and is opened again after a pause doubling up to ``reconnect_max_s``."""
         relay, pause = self.settings.relay, self.settings.reconnect_initial_s
-        options = [("grpc.keepalive_time_ms", int(self.settings.keepalive_s * 1000))]
+        options = [("grpc.keepalive_time_ms", int(self.settings.relay_ping_s * 1000))]
         while True:
             channel = aio_channel(relay, self.settings.tls, options)
             held: pb.Topology | None = None

@@ -89,6 +89,9 @@ class AgentSettings:
     # at thousands of hosts the coordinator then writes each epoch to a few relays. "": none.
     # Heartbeats, acknowledgements and commands stay on the heartbeat stream either way.
     relay: str = ""
-    # A relay stream silent this long (it sends an empty message every --keepalive, 2 s by default)
-    # is taken for lost: the topologies come from the coordinator again.
-    relay_silence_s: float = 8.0
+    # A relay stream silent this long (it sends an empty message every --keepalive, 5 s by default)
+    # is taken for lost: the topologies come from the coordinator again. A relay's host that is gone
+    # is noticed sooner, by keepalive pings every ``relay_ping_s`` on the relay's channel (slower than
+    # the coordinator's: a relay may serve thousands of hosts, and a lost relay costs no liveness).
+    relay_silence_s: float = 20.0
+    relay_ping_s: float = 5.0

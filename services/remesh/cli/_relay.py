@@ -34,9 +34,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--keepalive",
         type=float,
-        default=2.0,
-        help="seconds between empty messages on an idle stream (an agent takes a relay silent for 8 s for "
-        "lost, so keep this well under that)",
+        default=5.0,
+        help="seconds between empty messages on an idle stream (an agent takes a relay silent for 20 s for "
+        "lost, so keep this well under that; each is a write to every follower)",
     )
     p.add_argument("--port-file", help="write the bound port to this file once serving")
     add_tls_arguments(p, "this relay's (role coordinator: agents check the coordinator's name)")

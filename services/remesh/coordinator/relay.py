@@ -223,7 +223,7 @@ async def serve_relay(
     coordinators: Sequence[str],
     tls: Tls | None,
     *,
-    keepalive_s: float = 2.0,
+    keepalive_s: float = 5.0,
     max_followers: int = 20_000,
 ) -> RunningRelay:
     """Serve ``TopologyRelay`` on ``listen`` (port 0: a free one), following ``coordinators``.
