@@ -16,7 +16,7 @@ import pytest
 
 from benchmarks.fleet import Fleet, host_ids
 from remesh.coordinator.auth import Authorizer
-from remesh.coordinator.metrics import Metrics
+from remesh.coordinator.metrics import RelayMetrics
 from remesh.coordinator.relay import RelayServicer
 from remesh.coordinator.server import add_servicer
 from remesh.v1 import coordinator_pb2 as pb
@@ -39,7 +39,8 @@ def _topology(epoch: int, hosts: list[str]) -> pb.Topology:
 @contextlib.asynccontextmanager
 async def _relay() -> AsyncIterator[tuple[RelayServicer, pb_grpc.TopologyRelayStub, str]]:
     """A relay's servicer on a real gRPC server (no coordinator: the test publishes), and a stub."""
-    servicer = RelayServicer(Authorizer(Metrics(), secure=False), keepalive_s=0.2)
+    metrics = RelayMetrics()
+    servicer = RelayServicer(Authorizer(metrics, secure=False), keepalive_s=0.2, metrics=metrics)
     server = grpc.aio.server()
     add_servicer(servicer, server, "TopologyRelay")
     address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
@@ -87,6 +88,8 @@ def test_a_relay_that_loses_the_coordinator_ends_the_streams_it_served_and_holds
             assert not (await asyncio.wait_for(early.read(), 5)).ListFields()
             servicer.publish(_topology(3, ["host-0", "host-1"]))
             assert (await asyncio.wait_for(early.read(), 5)).topology.epoch == 3
+            assert _sample(servicer, "remesh_relay_epoch") == 3
+            assert _sample(servicer, "remesh_relay_followers") == 1
             servicer.lost("lost the coordinator at 127.0.0.1:1 (UNAVAILABLE: gone)")
             with pytest.raises(grpc.aio.AioRpcError) as ended:
                 while True:
@@ -99,12 +102,19 @@ def test_a_relay_that_loses_the_coordinator_ends_the_streams_it_served_and_holds
             assert not (await asyncio.wait_for(late.read(), 5)).ListFields()
             servicer.lost("lost the coordinator at 127.0.0.1:1 (UNAVAILABLE: still gone)")
             assert not (await asyncio.wait_for(late.read(), 5)).ListFields()
+            # One loss counted (the failed attempt after it is none), and no epoch held meanwhile.
+            assert _sample(servicer, "remesh_relay_coordinator_losses_total") == 1
+            assert _sample(servicer, "remesh_relay_epoch") == -1
             # Following again, it serves the coordinator's topology, whatever epoch it had before.
             servicer.publish(_topology(2, ["host-1"]))
             assert (await asyncio.wait_for(late.read(), 5)).topology.epoch == 2
             late.cancel()
 
     asyncio.run(go())
+
+
+def _sample(servicer: RelayServicer, name: str) -> float | None:
+    return servicer.metrics.registry.get_sample_value(name)
 
 
 def test_a_malformed_follow_request_is_refused_with_the_reason() -> None:

@@ -38,6 +38,12 @@ def add_parser(sub: Any) -> None:
         help="seconds between empty messages on an idle stream (an agent takes a relay silent for 20 s for "
         "lost, so keep this well under that; each is a write to every follower)",
     )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus /metrics (followers, epoch, coordinator losses, refusals) on this port",
+    )
     p.add_argument("--port-file", help="write the bound port to this file once serving")
     add_tls_arguments(p, "this relay's (role coordinator: agents check the coordinator's name)")
     p.set_defaults(run=run)
@@ -53,17 +59,26 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("invalid TLS settings", error=str(exc))
         return 2
-    return asyncio.run(_serve(args.listen, coordinators, tls, args.keepalive, args.port_file))
+    return asyncio.run(
+        _serve(args.listen, coordinators, tls, args.keepalive, args.port_file, args.metrics_port)
+    )
 
 
 async def _serve(
-    listen: str, coordinators: list[str], tls: Tls | None, keepalive_s: float, port_file: str | None
+    listen: str,
+    coordinators: list[str],
+    tls: Tls | None,
+    keepalive_s: float,
+    port_file: str | None,
+    metrics_port: int | None,
 ) -> int:
     from remesh.cli._coordinator import until_signalled, write_port_file
     from remesh.coordinator.relay import serve_relay
 
     try:
-        running = await serve_relay(listen, coordinators, tls, keepalive_s=keepalive_s)
+        running = await serve_relay(
+            listen, coordinators, tls, keepalive_s=keepalive_s, metrics_port=metrics_port
+        )
     except OSError as exc:
         log.error("cannot start", error=str(exc))
         return 2

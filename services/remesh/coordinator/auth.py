@@ -18,7 +18,7 @@ import grpc
 import structlog
 
 from remesh.coordinator.errors import PermissionDenied, Unauthenticated
-from remesh.coordinator.metrics import Metrics
+from remesh.coordinator.metrics import Refusals
 from remesh.v1.security import TRUST_DOMAIN, Identity, Role
 
 __all__ = ["POLICY", "Authorizer", "Rule", "decide", "identity_of"]
@@ -89,7 +89,7 @@ def identity_of(
 
 
 class Authorizer:
-    def __init__(self, metrics: Metrics, *, secure: bool, trust_domain: str = TRUST_DOMAIN) -> None:
+    def __init__(self, metrics: Refusals, *, secure: bool, trust_domain: str = TRUST_DOMAIN) -> None:
         self.secure = secure
         self.trust_domain = trust_domain
         self._metrics = metrics

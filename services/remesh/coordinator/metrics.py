@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -12,7 +12,7 @@ from remesh.coordinator.model import MemberState
 if TYPE_CHECKING:
     from remesh.coordinator.goodput import Goodput
 
-__all__ = ["Metrics"]
+__all__ = ["Metrics", "Refusals", "RelayMetrics"]
 
 
 class Metrics:
@@ -119,12 +119,7 @@ class Metrics:
             "remesh_store_errors", "Redis operations that failed (store unreachable)", registry=self.registry
         )
 
-        self.refusals = Counter(
-            "remesh_refused_calls",
-            "Calls refused by the access policy (kind: unauthenticated or permission_denied)",
-            ["method", "kind"],
-            registry=self.registry,
-        )
+        self.refusals = _refusals(self.registry)
 
     def set_epoch(self, epoch: int, reason: str, created_at: float) -> None:
         labels = (str(epoch), reason[:200])  # a reason lists every host lost: bounded for a label
@@ -150,5 +145,51 @@ class Metrics:
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> int:
         """Serve /metrics on ``port`` (0: a free one) in a thread; returns the port bound."""
-        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
-        return int(server.server_port)
+        return _serve(self.registry, port, addr)
+
+
+class Refusals(Protocol):
+    """What the access policy counts its refusals in (``Authorizer``): a coordinator's or a relay's."""
+
+    refusals: Counter
+
+
+def _refusals(registry: CollectorRegistry) -> Counter:
+    return Counter(
+        "remesh_refused_calls",
+        "Calls refused by the access policy (kind: unauthenticated or permission_denied)",
+        ["method", "kind"],
+        registry=registry,
+    )
+
+
+def _serve(registry: CollectorRegistry, port: int, addr: str) -> int:
+    server, _thread = start_http_server(port, addr=addr, registry=registry)
+    return int(server.server_port)
+
+
+class RelayMetrics:
+    """Prometheus metrics of one topology relay (``remesh relay``), on a registry of its own."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.refusals = _refusals(self.registry)
+        self.followers = Gauge(
+            "remesh_relay_followers", "Hosts' streams this relay serves now", registry=self.registry
+        )
+        self.epoch = Gauge(
+            "remesh_relay_epoch",
+            "The newest epoch this relay got from the coordinator (-1: it follows no coordinator now)",
+            registry=self.registry,
+        )
+        self.epoch.set(-1)
+        self.losses = Counter(
+            "remesh_relay_coordinator_losses",
+            "Times this relay lost the coordinator it followed (its followers went back to their "
+            "heartbeat streams)",
+            registry=self.registry,
+        )
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> int:
+        """Serve /metrics on ``port`` (0: a free one) in a thread; returns the port bound."""
+        return _serve(self.registry, port, addr)

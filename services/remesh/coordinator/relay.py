@@ -29,7 +29,7 @@ import grpc
 import structlog
 
 from remesh.coordinator.auth import Authorizer
-from remesh.coordinator.metrics import Metrics
+from remesh.coordinator.metrics import RelayMetrics
 from remesh.coordinator.server import add_servicer, listen_host
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
@@ -53,9 +53,10 @@ class RelayServicer(pb_grpc.TopologyRelayServicer):
     """The relay's side of its followers: the newest topology it got from the coordinator, encoded
     once per epoch (and once per delta base) for every follower, and a doorbell per waiting stream."""
 
-    def __init__(self, auth: Authorizer, keepalive_s: float) -> None:
+    def __init__(self, auth: Authorizer, keepalive_s: float, metrics: RelayMetrics | None = None) -> None:
         self.auth = auth
         self.keepalive_s = keepalive_s
+        self.metrics = metrics or RelayMetrics()
         self.topology: pb.Topology | None = None  # None: not following the coordinator now
         self.followers = 0
         self._whole = b""
@@ -70,6 +71,7 @@ class RelayServicer(pb_grpc.TopologyRelayServicer):
         if self.topology is not None and topology.epoch <= self.topology.epoch:
             return
         self.topology = topology
+        self.metrics.epoch.set(topology.epoch)
         self._whole = pb.HeartbeatResponse(topology=topology).SerializeToString()
         self._deltas = {}
         self._ring()
@@ -80,6 +82,8 @@ class RelayServicer(pb_grpc.TopologyRelayServicer):
         if self.topology is None:
             return  # another failed attempt: nobody holds a topology of this relay's
         self.topology = None
+        self.metrics.epoch.set(-1)
+        self.metrics.losses.inc()
         self._loss = reason
         self._generation += 1
         self._ring()
@@ -122,6 +126,7 @@ class RelayServicer(pb_grpc.TopologyRelayServicer):
     ) -> AsyncIterator[bytes]:
         generation = self._generation
         self.followers += 1
+        self.metrics.followers.inc()
         sent: pb.Topology | None = None
         try:
             while True:
@@ -138,6 +143,7 @@ class RelayServicer(pb_grpc.TopologyRelayServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{exc}: follow the coordinator meanwhile")
         finally:
             self.followers -= 1
+            self.metrics.followers.dec()
 
 
 def _quiet(bell: asyncio.Future[bool]) -> None:
@@ -225,12 +231,14 @@ async def serve_relay(
     *,
     keepalive_s: float = 5.0,
     max_followers: int = 20_000,
+    metrics_port: int | None = None,
 ) -> RunningRelay:
     """Serve ``TopologyRelay`` on ``listen`` (port 0: a free one), following ``coordinators``.
 
     With ``tls`` (a coordinator certificate: agents check the coordinator's name on a relay too)
     every follower must present a host certificate of the job's CA, for its own host."""
-    servicer = RelayServicer(Authorizer(Metrics(), secure=tls is not None), keepalive_s)
+    metrics = RelayMetrics()
+    servicer = RelayServicer(Authorizer(metrics, secure=tls is not None), keepalive_s, metrics)
     server = grpc.aio.server(
         maximum_concurrent_rpcs=max_followers,
         options=[
@@ -253,9 +261,11 @@ async def serve_relay(
         raise OSError(f"cannot listen on {listen}: the address is taken or invalid; pick another --listen")
     await server.start()
     following = asyncio.create_task(follow_coordinator(servicer, coordinators, tls), name="follow")
+    bound_metrics = metrics.serve(metrics_port, listen_host(listen)) if metrics_port is not None else None
     log.info(
         "relay serving",
         port=port,
+        metrics_port=bound_metrics,
         host=listen_host(listen),
         coordinators=list(coordinators),
         tls=tls is not None,
