@@ -30,10 +30,9 @@ import structlog
 
 from remesh.coordinator.auth import Authorizer
 from remesh.coordinator.metrics import RelayMetrics
-from remesh.coordinator.server import add_servicer, listen_host
+from remesh.coordinator.server import EncodedTopology, add_servicer, bind, listen_host
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
-from remesh.v1 import deltas
 from remesh.v1.security import Tls, aio_channel
 
 __all__ = ["RelayServicer", "RunningRelay", "follow_coordinator", "serve_relay"]
@@ -41,8 +40,6 @@ __all__ = ["RelayServicer", "RunningRelay", "follow_coordinator", "serve_relay"]
 log = structlog.get_logger("remesh.relay")
 
 _KEEPALIVE = pb.HeartbeatResponse().SerializeToString()
-# Topologies kept as bases for deltas: a follower further behind gets the next one whole.
-_BASES = 4
 
 
 class _Lost(Exception):
@@ -59,9 +56,8 @@ class RelayServicer(pb_grpc.TopologyRelayServicer):
         self.metrics = metrics or RelayMetrics()
         self.topology: pb.Topology | None = None  # None: not following the coordinator now
         self.followers = 0
-        self._whole = b""
-        # base epoch -> (the base, the delta reply from it; None: the whole one instead)
-        self._deltas: dict[int, tuple[pb.Topology, bytes | None]] = {}
+        self.metrics.followers.set_function(lambda: self.followers)
+        self._encoded: EncodedTopology | None = None  # the current topology's replies
         self._bells: set[asyncio.Future[bool]] = set()
         self._generation = 0  # bumped when the coordinator is lost: older streams end
         self._loss = ""
@@ -72,8 +68,7 @@ class RelayServicer(pb_grpc.TopologyRelayServicer):
             return
         self.topology = topology
         self.metrics.epoch.set(topology.epoch)
-        self._whole = pb.HeartbeatResponse(topology=topology).SerializeToString()
-        self._deltas = {}
+        self._encoded = EncodedTopology.of(topology)
         self._ring()
 
     def lost(self, reason: str) -> None:
@@ -94,21 +89,6 @@ class RelayServicer(pb_grpc.TopologyRelayServicer):
             if not bell.done():
                 bell.set_result(True)
 
-    def _reply(self, base: pb.Topology | None) -> bytes:
-        """The current topology for a follower that last got ``base`` (None: it takes whole ones)."""
-        current = self.topology
-        assert current is not None
-        if base is None or not 0 < base.epoch < current.epoch:
-            return self._whole
-        cached = self._deltas.get(base.epoch)
-        if cached is None or cached[0] is not base:
-            d = deltas.delta(base, current)
-            encoded = None if d is None else pb.HeartbeatResponse(topology_delta=d).SerializeToString()
-            cached = self._deltas[base.epoch] = (base, encoded)
-            while len(self._deltas) > _BASES:
-                del self._deltas[min(self._deltas)]
-        return cached[1] or self._whole
-
     async def _wait(self) -> bool:
         """Until a new topology or a loss (True), or a keepalive period with neither (False)."""
         loop = asyncio.get_running_loop()
@@ -126,16 +106,15 @@ class RelayServicer(pb_grpc.TopologyRelayServicer):
     ) -> AsyncIterator[bytes]:
         generation = self._generation
         self.followers += 1
-        self.metrics.followers.inc()
         sent: pb.Topology | None = None
         try:
             while True:
                 if generation != self._generation:
                     raise _Lost(self._loss)
-                current = self.topology
-                if current is not None and (sent is None or current.epoch > sent.epoch):
-                    yield self._reply(sent if request.topology_deltas else None)
-                    sent = current
+                encoded = self._encoded if self.topology is not None else None
+                if encoded is not None and (sent is None or encoded.message.epoch > sent.epoch):
+                    yield encoded.reply(sent if request.topology_deltas else None)
+                    sent = encoded.message
                     continue
                 if not await self._wait():
                     yield _KEEPALIVE
@@ -143,7 +122,6 @@ class RelayServicer(pb_grpc.TopologyRelayServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{exc}: follow the coordinator meanwhile")
         finally:
             self.followers -= 1
-            self.metrics.followers.dec()
 
 
 def _quiet(bell: asyncio.Future[bool]) -> None:
@@ -250,15 +228,7 @@ async def serve_relay(
         ],
     )
     add_servicer(servicer, server, "TopologyRelay")
-    try:
-        if tls is None:
-            port = server.add_insecure_port(listen)
-        else:
-            port = server.add_secure_port(listen, tls.server_credentials())
-    except RuntimeError:
-        port = 0
-    if port == 0:
-        raise OSError(f"cannot listen on {listen}: the address is taken or invalid; pick another --listen")
+    port = bind(server, listen, tls)
     await server.start()
     following = asyncio.create_task(follow_coordinator(servicer, coordinators, tls), name="follow")
     bound_metrics = metrics.serve(metrics_port, listen_host(listen)) if metrics_port is not None else None

@@ -54,7 +54,15 @@ from remesh.v1 import deltas
 from remesh.v1.contract import FINISHED_METADATA, LEADER_METADATA
 from remesh.v1.security import Tls
 
-__all__ = ["FINISHED_METADATA", "LEADER_METADATA", "RunningCoordinator", "listen_host", "serve"]
+__all__ = [
+    "FINISHED_METADATA",
+    "LEADER_METADATA",
+    "EncodedTopology",
+    "RunningCoordinator",
+    "bind",
+    "listen_host",
+    "serve",
+]
 
 log = structlog.get_logger("remesh.coordinator")
 
@@ -115,14 +123,19 @@ async def _answer(context: grpc.aio.ServicerContext, call: Awaitable[T]) -> T:
 
 
 @dataclass
-class _Encoded:
-    """One epoch's heartbeat reply, encoded once for every stream: whole, and as a delta from each
-    topology a stream held before it (None where the whole one is sent instead)."""
+class EncodedTopology:
+    """One epoch's reply on a topology stream, encoded once for every stream: whole, and as a delta
+    from each topology a stream held before it (None where the whole one is sent instead). The
+    coordinator's heartbeat streams and a relay's followers (``remesh.coordinator.relay``) share it."""
 
-    topology: Topology | None
+    topology: Topology | None  # the coordinator's own, where it encoded it
     message: pb.Topology
     whole: bytes
     deltas: dict[int, tuple[pb.Topology, bytes | None]]
+
+    @classmethod
+    def of(cls, message: pb.Topology, topology: Topology | None = None) -> EncodedTopology:
+        return cls(topology, message, pb.HeartbeatResponse(topology=message).SerializeToString(), {})
 
     def reply(self, base: pb.Topology | None) -> bytes:
         """The reply for a stream that last sent ``base`` (None: it takes whole topologies)."""
@@ -288,7 +301,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.feed = EventFeed(coordinator.store)
         self._stream_limit = StreamLimit(streams_per_caller)
         # The newest topologies sent on heartbeat streams, by epoch, encoded.
-        self._encoded: dict[int, _Encoded] = {}
+        self._encoded: dict[int, EncodedTopology] = {}
 
     async def Register(
         self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext
@@ -332,7 +345,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         stream.from_relay = first.topology_from_relay
         # The topology sent last on this stream (None: none yet, or its agent follows a relay): a
         # later one goes as a delta from it when the agent applies deltas, whole otherwise.
-        sent: _Encoded | None = None
+        sent: EncodedTopology | None = None
         try:
             while True:
                 # What is due, in this order: a newer topology (only the newest: it supersedes the
@@ -383,15 +396,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             reader.cancel()
             self._c.detach_stream(stream)
 
-    def _encode(self, topology: Topology | None) -> _Encoded:
+    def _encode(self, topology: Topology | None) -> EncodedTopology:
         """The heartbeat reply carrying ``topology``, encoded once per epoch for every stream: a new
         epoch of N members goes to N agents, and encoding it for each was N x N work."""
         key = topology.epoch if topology is not None else -1
         encoded = self._encoded.get(key)
         if encoded is None or encoded.topology is not topology:
-            message = convert.topology_to_pb(topology)
-            whole = pb.HeartbeatResponse(topology=message).SerializeToString()
-            encoded = self._encoded[key] = _Encoded(topology, message, whole, {})
+            encoded = self._encoded[key] = EncodedTopology.of(convert.topology_to_pb(topology), topology)
             while len(self._encoded) > _EPOCHS_ENCODED:
                 del self._encoded[min(self._encoded)]
         return encoded
@@ -604,6 +615,21 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.DrainResponse(member=convert.member_to_pb(member, self._c.member_step(member.host_id)))
 
 
+def bind(server: grpc.aio.Server, listen: str, tls: Tls | None) -> int:
+    """Add ``listen`` to ``server`` (mutual TLS with ``tls``, else plain); the port bound. Raises
+    OSError, saying what to do, when the address is taken or invalid."""
+    try:
+        if tls is None:
+            port = server.add_insecure_port(listen)
+        else:
+            port = server.add_secure_port(listen, tls.server_credentials())
+    except RuntimeError:  # newer grpcio raises where older ones returned 0
+        port = 0
+    if port == 0:
+        raise OSError(f"cannot listen on {listen}: the address is taken or invalid; pick another --listen")
+    return port
+
+
 def listen_host(listen: str) -> str:
     """The host part of a gRPC ``--listen`` address, for the metrics endpoint to bind beside it.
 
@@ -682,17 +708,10 @@ async def serve(settings: Settings, tls: Tls | None) -> RunningCoordinator:
         server,
     )
     try:
-        if tls is None:
-            port = server.add_insecure_port(settings.listen)
-        else:
-            port = server.add_secure_port(settings.listen, tls.server_credentials())
-    except RuntimeError:  # newer grpcio raises where older ones returned 0
-        port = 0
-    if port == 0:
+        port = bind(server, settings.listen, tls)
+    except OSError:
         await store.close()
-        raise OSError(
-            f"cannot listen on {settings.listen}: the address is taken or invalid; pick another --listen"
-        )
+        raise
     try:
         await coordinator.start(advertise=_advertised(settings.listen, port))
     except BaseException:

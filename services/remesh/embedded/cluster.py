@@ -211,16 +211,21 @@ class LocalCluster:
             "--listen", f"127.0.0.1:{port}", "--port-file", str(port_file), *extra,
             *self._identity(extra, Role.COORDINATOR, f"coordinator-{len(self.procs)}"),
         ]  # fmt: skip
-        proc = Proc(args, self.tmp / f"coordinator-{len(self.procs)}.log", env=env)
-        self.procs.append(proc)
-        wait_for(lambda: port_file.exists() or not proc.alive(), 30, "the coordinator to serve")
-        if not proc.alive():
-            raise RuntimeError(
-                f"the coordinator exited with code {proc.popen.returncode}:\n{proc.output()[-4000:]}"
-            )
-        self.port = int(port_file.read_text())
+        name = f"coordinator-{len(self.procs)}"
+        proc, self.port = self._serving("the coordinator", args, port_file, name, env)
         self.coordinator = proc
         return proc
+
+    def _serving(
+        self, what: str, args: list[str], port_file: Path, name: str, env: dict[str, str] | None = None
+    ) -> tuple[Proc, int]:
+        """Start a serving ``remesh`` process; it, and the port it wrote to ``port_file`` once serving."""
+        proc = Proc(args, self.tmp / f"{name}.log", env=env)
+        self.procs.append(proc)
+        wait_for(lambda: port_file.exists() or not proc.alive(), 30, f"{what} to serve")
+        if not proc.alive():
+            raise RuntimeError(f"{what} exited with code {proc.popen.returncode}:\n{proc.output()[-4000:]}")
+        return proc, int(port_file.read_text())
 
     def start_relay(self, *extra: str, name: str = "") -> tuple[Proc, str]:
         """A ``remesh relay`` following this cluster's coordinators (identity coordinator/``name``);
@@ -233,14 +238,8 @@ class LocalCluster:
             "--listen", "127.0.0.1:0", "--port-file", str(port_file), *extra,
             *self._identity(extra, Role.COORDINATOR, name),
         ]  # fmt: skip
-        proc = Proc(args, self.tmp / f"{name}.log")
-        self.procs.append(proc)
-        wait_for(lambda: port_file.exists() or not proc.alive(), 30, f"relay {name} to serve")
-        if not proc.alive():
-            raise RuntimeError(
-                f"relay {name} exited with code {proc.popen.returncode}:\n{proc.output()[-4000:]}"
-            )
-        return proc, f"127.0.0.1:{int(port_file.read_text())}"
+        proc, port = self._serving(f"relay {name}", args, port_file, name)
+        return proc, f"127.0.0.1:{port}"
 
     def start_agent(
         self,
