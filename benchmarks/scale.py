@@ -390,6 +390,11 @@ def measure(run: Run, crashes: int, silents: int, rng: random.Random) -> dict[st
     # Suspicions of hosts that never failed: not false positives (nobody was replaced), but how near
     # the detector came to them.
     suspected = {e.host_id for e in run.events([pb.EVENT_TYPE_MEMBER_SUSPECT])} - lost
+    # How the correlated failure reached the planner: when its hosts were declared dead (first,
+    # median, last, from the fleet's crash) and when each epoch after it was published. A burst
+    # spread over longer than the planner holds one makes more than one epoch.
+    victim_set = set(victims)
+    victims_dead = sorted(e.time - t for e in dead_events if e.host_id in victim_set)
     result.update(
         {
             "crash_detect_p50_s": round(percentile(crash, 50), 3),
@@ -413,6 +418,14 @@ def measure(run: Run, crashes: int, silents: int, rng: random.Random) -> dict[st
             "epochs_for_correlated_failure": len(epochs),
             "relays": run.relays,
             "correlated_failure_to_epoch_s": round(published_at - t, 3),
+            "correlated_failure_dead_after_s": [
+                round(victims_dead[0], 3),
+                round(percentile(victims_dead, 50), 3),
+                round(victims_dead[-1], 3),
+            ]
+            if victims_dead
+            else [],
+            "correlated_failure_epochs_after_s": [round(e.time - t, 3) for e in epochs],
             "correlated_failure_fanout_p99_s": round(correlated_fanout, 3),
             "correlated_failure_to_live_s": round(live_at - t, 3),
             # Calls the simulated agents had to send again, or gave up, by status: the load they met.
