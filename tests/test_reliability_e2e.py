@@ -25,6 +25,7 @@ import pytest
 
 from remesh.coordinator.model import ClusterState, Event, EventType, apply
 from remesh.embedded import RedisServer
+from remesh.embedded.cluster import descendants
 from remesh.v1 import coordinator_pb2 as pb
 from tests.procs import Cluster, wait_for
 
@@ -97,6 +98,44 @@ def test_a_burst_of_failures_is_one_epoch(
     assert [e.epoch for e in published] == [before + 1] == [epoch], [e.reason for e in published]
     assert tuple(m.host_id for m in published[0].topology.members) == hosts
     assert {e.host_id for e in events_of(cluster, pb.EVENT_TYPE_MEMBER_DEAD)} == set(victims)
+
+
+# ---- a trainer without a rank waits at a low priority ----------------------------------------------
+
+
+def trainer_sessions(agent_pid: int) -> dict[int, int]:
+    """The stand-in trainers below an agent, each with its session's niceness (autogroup)."""
+    found = {}
+    for pid in descendants(agent_pid):
+        with contextlib.suppress(OSError):
+            if b"remesh.embedded.standin" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found[pid] = int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])
+    return found
+
+
+@pytest.mark.skipif(
+    not Path("/proc/self/autogroup").exists(), reason="the kernel groups no CPU time by session"
+)
+def test_trainers_without_a_rank_wait_at_the_standby_priority_and_a_rank_gives_them_the_trainers(
+    cluster: Cluster,
+) -> None:
+    """The spare's trainer and each member's warm standby import and wait at niceness 19, so they
+    take only the CPU the working trainers leave; the spare's trainer, given a rank by a recovery,
+    works at the trainers' 10, in the same process."""
+    cluster.start_coordinator("--world-size", "2")
+    hosts = [cluster.start_agent(f"host-{i}") for i in range(2)]
+    spare = cluster.start_agent("spare-0", spare=True)
+    wait_live(cluster, 0)
+    waiting = wait_for(lambda: list(trainer_sessions(spare.pid).items()), 30, "the spare's trainer")
+    assert len(waiting) == 1 and waiting[0][1] == 19, waiting  # type: ignore[index,arg-type]
+    spare_trainer = waiting[0][0]  # type: ignore[index]
+    for host in hosts:  # the active trainer, and beside it (started once it acknowledged) its standby
+        wait_for(lambda h=host: sorted(trainer_sessions(h.pid).values()) == [10, 19], 30, "active + standby")
+    before = cluster.topology().epoch
+    hosts[1].signal_group(signal.SIGKILL)
+    wait_live(cluster, before)
+    assert "spare-0" in {m.host_id for m in cluster.topology().members}
+    wait_for(lambda: trainer_sessions(spare.pid).get(spare_trainer) == 10, 10, "the spare's trainer at 10")
 
 
 # ---- the arbiter of commits ------------------------------------------------------------------------

@@ -127,6 +127,39 @@ def test_a_signal_to_the_host_reaches_the_trainer_in_its_own_session(tmp_path: P
         agent.close()
 
 
+def autogroup_nice(pid: int) -> int | None:
+    """The niceness of the session ``pid`` leads, None on kernels without autogroup."""
+    autogroup = Path(f"/proc/{pid}/autogroup")
+    return int(autogroup.read_text().split()[-1]) if autogroup.exists() else None
+
+
+def test_a_trainer_waiting_for_a_rank_yields_the_cpu_and_takes_the_trainers_priority_with_one() -> None:
+    """A spare's trainer (or a warm standby) starts at the waiting niceness; given a rank its session
+    gets the trainer's back (a session's niceness may go down again, a process's may not), and a
+    rank taken away sends it back to waiting."""
+
+    async def go() -> list[tuple[int | None, int]]:
+        seen: list[tuple[int | None, int]] = []
+        trainer = TrainerProcess(["sleep", "30"], {}, epoch=1, nice=10, waiting_nice=19, ranked=False)
+        await trainer.start()
+        try:
+            probe(trainer.pid)  # exec'd: the niceness below is the sleep's own
+            seen.append((autogroup_nice(trainer.pid), os.getpriority(os.PRIO_PROCESS, trainer.pid)))
+            for ranked in (True, False, True):
+                await trainer.hold_rank(ranked)
+                seen.append((autogroup_nice(trainer.pid), os.getpriority(os.PRIO_PROCESS, trainer.pid)))
+        finally:
+            await trainer.stop(5)
+        return seen
+
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    seen = asyncio.run(go())
+    if seen[0][0] is None:  # no autogroup: the process's own niceness is all there is, and it stays
+        assert seen == [(None, own + 10)] * 4
+    else:
+        assert seen == [(19, own + 10), (10, own + 10), (19, own + 10), (10, own + 10)]
+
+
 def test_closing_a_stopped_host_kills_its_trainer_too(tmp_path: Path) -> None:
     agent, trainer = start_agent(tmp_path)
     agent.signal_group(signal.SIGSTOP)

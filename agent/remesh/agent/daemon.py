@@ -664,6 +664,8 @@ class Agent:
             topology.epoch,
             nice=self.settings.trainer_nice,
             role=role,
+            waiting_nice=self.settings.standby_nice or self.settings.trainer_nice,
+            ranked=rank >= 0,
         )
         trainer.slot = self._slots
         await trainer.start()
@@ -1023,6 +1025,11 @@ class Agent:
         self.log.info("trainer finished the job", step=request.step, epoch=request.epoch)
 
     async def _assignments_changed(self) -> None:
+        # A process given a rank gets the trainer's priority before it hears of it (it joins the
+        # epoch at once); one that lost its rank waits at the standby's.
+        for process in (self.trainer, self.warm):
+            if process is not None:
+                await process.hold_rank(self._rank_for(process.slot) >= 0)
         self._version += 1
         async with self.topology_changed:
             self.topology_changed.notify_all()

@@ -82,6 +82,13 @@ class AgentSettings:
     # sessions before niceness counts (see remesh.agent.supervisor). Costs the trainer nothing while
     # a core is free. 0 leaves it as is.
     trainer_nice: int = 10
+    # The session niceness of a trainer process that holds no rank: a spare's trainer waiting for
+    # one, and the warm standby beside an active trainer. Each imports JAX (seconds of CPU) and then
+    # waits; on a host whose cores the working trainers need (the job starting or recovering, a
+    # healthy step) that import takes its CPU only where they leave it. Given a rank, the process's
+    # session gets trainer_nice back at once (a session's niceness may go down to 0 again without
+    # privileges, unlike a process's). Equal to trainer_nice, or 0, turns it off.
+    standby_nice: int = 19
     # HTTP/2 keepalive pings on the coordinator channel: a link that silently drops packets breaks
     # the stream after about twice this, instead of after TCP's minutes.
     keepalive_s: float = 0.5

@@ -48,11 +48,17 @@ def niced_and_bound(command: Sequence[str], nice: int = 0) -> tuple[list[str], b
     return command, False
 
 
-def nice_session(pid: int, nice: int) -> None:
+def nice_session(pid: int, nice: int) -> bool:
     """Give the session led by ``pid`` the niceness ``nice`` where the kernel groups CPU time by
-    session (sched(7), "The autogroup feature"); a no-op where it does not."""
-    with contextlib.suppress(OSError):
+    session (sched(7), "The autogroup feature"); a no-op where it does not. False when the kernel
+    refused it for now (it rate-limits these writes, machine-wide: EAGAIN)."""
+    try:
         Path(f"/proc/{pid}/autogroup").write_text(str(nice))
+    except BlockingIOError:
+        return False
+    except OSError:
+        pass  # no autogroup here, or the process is gone
+    return True
 
 
 class Role(enum.Enum):
@@ -87,11 +93,19 @@ class TrainerProcess:
         epoch: int,
         nice: int = 0,
         role: Role = Role.ACTIVE,
+        waiting_nice: int | None = None,
+        ranked: bool = True,
     ) -> None:
         self.command = list(command)
         self.role = role
         # Niceness added to the trainer's: on a saturated CPU the agent's heartbeats go first.
         self.nice = nice
+        # Its session's niceness while it holds no rank (a spare's trainer, a warm standby): see
+        # AgentSettings.standby_nice. None: always ``nice``.
+        self.waiting_nice = nice if waiting_nice is None else waiting_nice
+        # Whether it holds a rank (given at start: a spare's trainer and a standby are told -1).
+        self.ranked = ranked
+        self._bound = False
         self.env = dict(env)
         # The epoch it was started for, then the newest it reported running (see Agent._trainer_runs).
         self.epoch = epoch
@@ -108,9 +122,34 @@ class TrainerProcess:
         self.process = await asyncio.create_subprocess_exec(
             *command, env={**os.environ, **self.env}, start_new_session=bound
         )
-        if bound and self.nice:
-            nice_session(self.process.pid, self.nice)
-        log.info("trainer started", pid=self.process.pid, epoch=self.epoch, command=" ".join(self.command))
+        self._bound = bound
+        session_nice = self.nice if self.ranked else self.waiting_nice
+        if bound and session_nice:
+            nice_session(self.process.pid, session_nice)
+        log.info(
+            "trainer started",
+            pid=self.process.pid,
+            epoch=self.epoch,
+            session_nice=session_nice if bound else None,
+            command=" ".join(self.command),
+        )
+
+    async def hold_rank(self, ranked: bool) -> None:
+        """The process holds a rank now (or no longer): its session gets the trainer's niceness (or
+        the waiting one). Retried briefly where the kernel rate-limits the change: a trainer given a
+        rank must not join its epoch at a waiting priority."""
+        if ranked == self.ranked:
+            return
+        self.ranked = ranked
+        if not self._bound or self.nice == self.waiting_nice or not self.running():
+            return
+        nice = self.nice if ranked else self.waiting_nice
+        for _ in range(50):
+            if nice_session(self.pid, nice):
+                log.info("trainer session niceness", pid=self.pid, ranked=ranked, nice=nice)
+                return
+            await asyncio.sleep(0.02)
+        log.warning("the kernel kept refusing the trainer session's niceness", pid=self.pid, nice=nice)
 
     @property
     def pid(self) -> int:

@@ -75,6 +75,13 @@ def add_parser(sub: Any) -> None:
         help="niceness added to the trainer, so the agent's heartbeats go first on a busy CPU (0: none)",
     )
     p.add_argument(
+        "--standby-nice",
+        type=int,
+        default=19,  # AgentSettings.standby_nice
+        help="the niceness of a trainer's session while it holds no rank (a spare's, a warm standby): "
+        "it imports JAX on what working trainers leave, and gets --trainer-nice with a rank (0: off)",
+    )
+    p.add_argument(
         "--local-listen",
         default="",
         help="host:port of the local API for the trainer (TCP: any local user can reach it); default: a "
@@ -106,6 +113,10 @@ def run(args: argparse.Namespace) -> int:
     if not command:
         log.error("no trainer command", hint="append -- followed by the command that runs the trainer")
         return 2
+    for flag, nice in (("--trainer-nice", args.trainer_nice), ("--standby-nice", args.standby_nice)):
+        if not 0 <= nice <= 19:
+            log.error("niceness out of range", flag=flag, value=nice, hint=f"pass {flag} between 0 and 19")
+            return 2
     try:
         tls = tls_from_args(args)
     except ValueError as exc:
@@ -125,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
         warm_standby=not args.no_warm_standby,
         lease_s=args.lease,
         trainer_nice=args.trainer_nice,
+        standby_nice=args.standby_nice,
         metrics_port=args.metrics_port,
         metrics_address=args.metrics_address,
         log_json=args.log_json,
