@@ -125,7 +125,7 @@ class TrainerProcess:
         self._bound = bound
         session_nice = self.nice if self.ranked else self.waiting_nice
         if bound and session_nice:
-            nice_session(self.process.pid, session_nice)
+            await self._nice_session(session_nice)
         log.info(
             "trainer started",
             pid=self.process.pid,
@@ -144,12 +144,19 @@ class TrainerProcess:
         if not self._bound or self.nice == self.waiting_nice or not self.running():
             return
         nice = self.nice if ranked else self.waiting_nice
+        if await self._nice_session(nice):
+            log.info("trainer session niceness", pid=self.pid, ranked=ranked, nice=nice)
+
+    async def _nice_session(self, nice: int) -> bool:
+        """``nice_session``, sent again for up to a second while the kernel refuses it: without
+        privileges it takes one such change a tenth of a second, machine-wide, and agents starting
+        trainers together on one machine meet that limit."""
         for _ in range(50):
             if nice_session(self.pid, nice):
-                log.info("trainer session niceness", pid=self.pid, ranked=ranked, nice=nice)
-                return
+                return True
             await asyncio.sleep(0.02)
         log.warning("the kernel kept refusing the trainer session's niceness", pid=self.pid, nice=nice)
+        return False
 
     @property
     def pid(self) -> int:
