@@ -505,10 +505,16 @@ def main() -> int:
                 )
                 try:
                     results.append(measure(run, args.crashes, args.silent, rng))
-                except (TimeoutError, RuntimeError) as exc:
+                except (TimeoutError, RuntimeError, grpc.RpcError) as exc:
                     # Said, not hidden: the sizes before still print, and this one says where it stopped.
-                    progress(f"  {hosts} hosts: FAILED: {exc}")
-                    failed[hosts] = str(exc)
+                    why = (
+                        f"the coordinator kept refusing the benchmark's reads past their retries: "
+                        f"{exc.code().name}: {exc.details()}"
+                        if isinstance(exc, grpc.Call)
+                        else str(exc)
+                    )
+                    progress(f"  {hosts} hosts: FAILED: {why}")
+                    failed[hosts] = why
                 finally:
                     run.close()
             if args.floor_rounds > 0 and hosts not in failed:
