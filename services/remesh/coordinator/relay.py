@@ -54,19 +54,23 @@ class RelayServicer(pb_grpc.TopologyRelayServicer):
         self.auth = auth
         self.keepalive_s = keepalive_s
         self.metrics = metrics or RelayMetrics()
-        self.topology: pb.Topology | None = None  # None: not following the coordinator now
         self.followers = 0
         self.metrics.followers.set_function(lambda: self.followers)
-        self._encoded: EncodedTopology | None = None  # the current topology's replies
+        # The current topology with its replies, encoded; None: not following the coordinator now.
+        self._encoded: EncodedTopology | None = None
         self._bells: set[asyncio.Future[bool]] = set()
         self._generation = 0  # bumped when the coordinator is lost: older streams end
         self._loss = ""
+
+    @property
+    def topology(self) -> pb.Topology | None:
+        """The newest topology from the coordinator; None while the relay follows none."""
+        return self._encoded.message if self._encoded is not None else None
 
     def publish(self, topology: pb.Topology) -> None:
         """A topology from the coordinator: the new current one, written to every follower."""
         if self.topology is not None and topology.epoch <= self.topology.epoch:
             return
-        self.topology = topology
         self.metrics.epoch.set(topology.epoch)
         self._encoded = EncodedTopology.of(topology)
         self._ring()
@@ -76,7 +80,7 @@ class RelayServicer(pb_grpc.TopologyRelayServicer):
         stream (the others wait for the relay to follow again)."""
         if self.topology is None:
             return  # another failed attempt: nobody holds a topology of this relay's
-        self.topology = None
+        self._encoded = None
         self.metrics.epoch.set(-1)
         self.metrics.losses.inc()
         self._loss = reason
@@ -111,7 +115,7 @@ class RelayServicer(pb_grpc.TopologyRelayServicer):
             while True:
                 if generation != self._generation:
                     raise _Lost(self._loss)
-                encoded = self._encoded if self.topology is not None else None
+                encoded = self._encoded
                 if encoded is not None and (sent is None or encoded.message.epoch > sent.epoch):
                     yield encoded.reply(sent if request.topology_deltas else None)
                     sent = encoded.message
