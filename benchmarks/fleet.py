@@ -29,6 +29,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -114,6 +115,14 @@ def _emit(doc: dict[str, Any]) -> None:
     _output.emit(doc)
 
 
+def _why(exc: grpc.aio.AioRpcError) -> str:
+    """What gRPC said ended a call, its numbers left out so that the same cause counts once (a
+    stream that ends UNAVAILABLE ended for a reason only the details name: a reset connection, a
+    GOAWAY, a transport closed for memory)."""
+    first = (exc.details() or "").splitlines()[0] if exc.details() else ""
+    return re.sub(r"\d+", "N", first)[:100]
+
+
 class SimAgent:
     def __init__(
         self,
@@ -187,7 +196,9 @@ class SimAgent:
             try:
                 await self._session(stub)
             except grpc.aio.AioRpcError as exc:
-                _emit({"stream_end": self.host_id, "code": exc.code().name})
+                _emit(
+                    {"stream_end": self.host_id, "code": exc.code().name, "why": _why(exc), "t": time.time()}
+                )
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self._registering:
                     self._policy.registration_timed_out()
                 await asyncio.sleep(self._policy.failed() * (0.5 + random.random()))
@@ -284,7 +295,14 @@ class SimAgent:
                         break
                     flag(True)
             except grpc.aio.AioRpcError as exc:
-                _emit({"stream_end": self.host_id, "code": f"relay {exc.code().name}"})
+                _emit(
+                    {
+                        "stream_end": self.host_id,
+                        "code": f"relay {exc.code().name}",
+                        "why": _why(exc),
+                        "t": time.time(),
+                    }
+                )
             finally:
                 flag(False)
                 await channel.close(grace=None)
@@ -505,6 +523,9 @@ class Fleet:
     beats: list[tuple[float, int]] = field(default_factory=list)
     # What went wrong at the simulated agents, counted: acknowledgements given up, streams broken.
     trouble: Counter[str] = field(default_factory=Counter)
+    # When each kind of stream end was seen first and last (wall clock): a burst of thousands at one
+    # moment is one cause, to be matched against the coordinator's log.
+    trouble_seen: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._procs: list[subprocess.Popen[str]] = []
@@ -581,7 +602,28 @@ class Fleet:
                 elif "delta_mismatch" in doc:
                     self.trouble[f"topology delta out of step ({doc['detail']})"] += 1
                 elif "stream_end" in doc:
-                    self.trouble[f"stream ended ({doc['code']})"] += 1
+                    why = f": {doc['why']}" if doc.get("why") else ""
+                    key = f"stream ended ({doc['code']}{why})"
+                    self.trouble[key] += 1
+                    if "t" in doc:
+                        first, _ = self.trouble_seen.get(key, (doc["t"], doc["t"]))
+                        self.trouble_seen[key] = (first, doc["t"])
+
+    def trouble_report(self) -> str:
+        """What went wrong at the simulated agents, one kind a line, with when it was seen (UTC)."""
+        with self._lock:
+            counted = list(self.trouble.items())
+            seen = dict(self.trouble_seen)
+        if not counted:
+            return "no trouble"
+
+        def when(key: str) -> str:
+            if key not in seen:
+                return ""
+            first, last = (time.strftime("%H:%M:%S", time.gmtime(t)) for t in seen[key])
+            return f" at {first}" if first == last else f" from {first} to {last}"
+
+        return "".join(f"\n    {n} x {key}{when(key)}" for key, n in counted)
 
     def command(self, command: str, hosts: Sequence[str]) -> float:
         """Send ``command`` to the agents ``hosts`` at once; returns when the last simulator did it."""

@@ -432,7 +432,8 @@ def measure(run: Run, crashes: int, silents: int, rng: random.Random) -> dict[st
             "agent_trouble": dict(run.fleet.trouble) if run.fleet is not None else {},
         }
     )
-    progress(f"  {run.hosts} hosts: the simulated agents met {result['agent_trouble'] or 'no trouble'}")
+    if run.fleet is not None:
+        progress(f"  {run.hosts} hosts: the simulated agents met {run.fleet.trouble_report()}")
     if false_by_phase:
         progress(
             f"  {run.hosts} hosts: healthy hosts declared dead, by phase {dict(false_by_phase)}, "
@@ -514,6 +515,8 @@ def main() -> int:
                         else str(exc)
                     )
                     progress(f"  {hosts} hosts: FAILED: {why}")
+                    if run.fleet is not None:
+                        progress(f"  {hosts} hosts: the simulated agents met {run.fleet.trouble_report()}")
                     failed[hosts] = why
                 finally:
                     run.close()
