@@ -16,6 +16,7 @@ import socket
 import grpc
 import pytest
 
+from remesh.coordinator.relay import relay_server_options
 from remesh.coordinator.server import server_options
 from remesh.coordinator.settings import DetectorSettings, Settings
 
@@ -73,3 +74,17 @@ def test_without_the_coordinators_option_grpc_would_cut_a_connection_after_20_s(
     """The fact the option is there for: if gRPC's default changes, this says so."""
     without = [(k, v) for k, v in server_options(Settings()) if k != "grpc.keepalive_timeout_ms"]
     assert asyncio.run(_accepted_user_timeouts_ms(without)) == [20_000]
+
+
+def test_a_relay_keeps_a_busy_followers_connection_for_its_follower_timeout() -> None:
+    timeouts = asyncio.run(_accepted_user_timeouts_ms(relay_server_options(100, 120.0)))
+    assert timeouts == [120_000]
+    # Never shorter than gRPC's own.
+    assert asyncio.run(_accepted_user_timeouts_ms(relay_server_options(100, 5.0))) == [20_000]
+
+
+@pytest.mark.parametrize("timeout", ["5", "19.9"])
+def test_a_relay_refuses_a_follower_timeout_shorter_than_grpcs_own(timeout: str) -> None:
+    from remesh.cli import main
+
+    assert main(["relay", "--coordinator", "127.0.0.1:1", "--insecure", "--follower-timeout", timeout]) == 2

@@ -39,6 +39,14 @@ def add_parser(sub: Any) -> None:
         "lost, so keep this well under that; each is a write to every follower)",
     )
     p.add_argument(
+        "--follower-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a follower may leave what this relay wrote unread before the kernel drops its "
+        "connection (TCP_USER_TIMEOUT; at least 20): keep it above the coordinator's heartbeat timeout "
+        "(60 s at 10,000 hosts), so that a busy host is judged by the coordinator, not cut off here",
+    )
+    p.add_argument(
         "--metrics-port",
         type=int,
         default=None,
@@ -51,8 +59,11 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     coordinators = [a.strip() for a in args.coordinator.split(",") if a.strip()]
-    if not coordinators or args.keepalive <= 0:
-        log.error("invalid settings", hint="give --coordinator HOST:PORT[,...] and a positive --keepalive")
+    if not coordinators or args.keepalive <= 0 or args.follower_timeout < 20:
+        log.error(
+            "invalid settings",
+            hint="give --coordinator HOST:PORT[,...], a positive --keepalive and a --follower-timeout of 20 or more",
+        )
         return 2
     try:
         tls = tls_from_args(args)
@@ -60,7 +71,15 @@ def run(args: argparse.Namespace) -> int:
         log.error("invalid TLS settings", error=str(exc))
         return 2
     return asyncio.run(
-        _serve(args.listen, coordinators, tls, args.keepalive, args.port_file, args.metrics_port)
+        _serve(
+            args.listen,
+            coordinators,
+            tls,
+            args.keepalive,
+            args.follower_timeout,
+            args.port_file,
+            args.metrics_port,
+        )
     )
 
 
@@ -69,6 +88,7 @@ async def _serve(
     coordinators: list[str],
     tls: Tls | None,
     keepalive_s: float,
+    follower_timeout_s: float,
     port_file: str | None,
     metrics_port: int | None,
 ) -> int:
@@ -77,7 +97,12 @@ async def _serve(
 
     try:
         running = await serve_relay(
-            listen, coordinators, tls, keepalive_s=keepalive_s, metrics_port=metrics_port
+            listen,
+            coordinators,
+            tls,
+            keepalive_s=keepalive_s,
+            follower_timeout_s=follower_timeout_s,
+            metrics_port=metrics_port,
         )
     except OSError as exc:
         log.error("cannot start", error=str(exc))

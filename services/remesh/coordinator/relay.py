@@ -35,7 +35,7 @@ from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
 from remesh.v1.security import Tls, aio_channel
 
-__all__ = ["RelayServicer", "RunningRelay", "follow_coordinator", "serve_relay"]
+__all__ = ["RelayServicer", "RunningRelay", "follow_coordinator", "relay_server_options", "serve_relay"]
 
 log = structlog.get_logger("remesh.relay")
 
@@ -206,30 +206,42 @@ class RunningRelay:
         await self.server.wait_for_termination()
 
 
+def relay_server_options(max_followers: int, follower_timeout_s: float) -> list[tuple[str, int]]:
+    """A relay's gRPC server options."""
+    return [
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 100),
+        ("grpc.http2.max_ping_strikes", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+        # TCP_USER_TIMEOUT on every follower's connection (gRPC's 20 s by default, no pings of the
+        # server's own): at 10,000 hosts, simulated agents busy reading the first epoch had thousands
+        # of their relay connections aborted by the kernel, and each then took its topologies from
+        # the coordinator. See remesh.coordinator.server.server_options.
+        ("grpc.keepalive_timeout_ms", round(max(20.0, follower_timeout_s) * 1000)),
+        ("grpc.server.max_pending_requests", max_followers),
+        ("grpc.server.max_pending_requests_hard_limit", max_followers),
+    ]
+
+
 async def serve_relay(
     listen: str,
     coordinators: Sequence[str],
     tls: Tls | None,
     *,
     keepalive_s: float = 5.0,
+    follower_timeout_s: float = 120.0,
     max_followers: int = 20_000,
     metrics_port: int | None = None,
 ) -> RunningRelay:
     """Serve ``TopologyRelay`` on ``listen`` (port 0: a free one), following ``coordinators``.
 
     With ``tls`` (a coordinator certificate: agents check the coordinator's name on a relay too)
-    every follower must present a host certificate of the job's CA, for its own host."""
+    every follower must present a host certificate of the job's CA, for its own host. A follower
+    that leaves what was written to it unread for ``follower_timeout_s`` loses its connection."""
     metrics = RelayMetrics()
     servicer = RelayServicer(Authorizer(metrics, secure=tls is not None), keepalive_s, metrics)
     server = grpc.aio.server(
         maximum_concurrent_rpcs=max_followers,
-        options=[
-            ("grpc.http2.min_recv_ping_interval_without_data_ms", 100),
-            ("grpc.http2.max_ping_strikes", 0),
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.server.max_pending_requests", max_followers),
-            ("grpc.server.max_pending_requests_hard_limit", max_followers),
-        ],
+        options=relay_server_options(max_followers, follower_timeout_s),
     )
     add_servicer(servicer, server, "TopologyRelay")
     port = bind(server, listen, tls)

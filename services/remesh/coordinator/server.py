@@ -60,8 +60,10 @@ __all__ = [
     "EncodedTopology",
     "RunningCoordinator",
     "bind",
+    "concurrent_calls",
     "listen_host",
     "serve",
+    "server_options",
 ]
 
 log = structlog.get_logger("remesh.coordinator")
