@@ -119,7 +119,7 @@ def _why(exc: grpc.aio.AioRpcError) -> str:
     """What gRPC said ended a call, its numbers left out so that the same cause counts once (a
     stream that ends UNAVAILABLE ended for a reason only the details name: a reset connection, a
     GOAWAY, a transport closed for memory)."""
-    first = (exc.details() or "").splitlines()[0] if exc.details() else ""
+    first = (exc.details() or "").partition("\n")[0]
     return re.sub(r"\d+", "N", first)[:100]
 
 

@@ -30,7 +30,7 @@ import structlog
 
 from remesh.coordinator.auth import Authorizer
 from remesh.coordinator.metrics import RelayMetrics
-from remesh.coordinator.server import EncodedTopology, add_servicer, bind, listen_host
+from remesh.coordinator.server import EncodedTopology, add_servicer, bind, grpc_server_options, listen_host
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
 from remesh.v1.security import Tls, aio_channel
@@ -207,19 +207,10 @@ class RunningRelay:
 
 
 def relay_server_options(max_followers: int, follower_timeout_s: float) -> list[tuple[str, int]]:
-    """A relay's gRPC server options."""
-    return [
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", 100),
-        ("grpc.http2.max_ping_strikes", 0),
-        ("grpc.keepalive_permit_without_calls", 1),
-        # TCP_USER_TIMEOUT on every follower's connection (gRPC's 20 s by default, no pings of the
-        # server's own): at 10,000 hosts, simulated agents busy reading the first epoch had thousands
-        # of their relay connections aborted by the kernel, and each then took its topologies from
-        # the coordinator. See remesh.coordinator.server.server_options.
-        ("grpc.keepalive_timeout_ms", round(max(20.0, follower_timeout_s) * 1000)),
-        ("grpc.server.max_pending_requests", max_followers),
-        ("grpc.server.max_pending_requests_hard_limit", max_followers),
-    ]
+    """A relay's gRPC server options: a follower that leaves what the relay wrote unread for
+    ``follower_timeout_s`` loses its connection (at 10,000 hosts, gRPC's 20 s aborted thousands of
+    busy followers' connections, and each then took its topologies from the coordinator)."""
+    return grpc_server_options(max_followers, follower_timeout_s)
 
 
 async def serve_relay(

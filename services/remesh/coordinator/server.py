@@ -60,7 +60,7 @@ __all__ = [
     "EncodedTopology",
     "RunningCoordinator",
     "bind",
-    "concurrent_calls",
+    "grpc_server_options",
     "listen_host",
     "serve",
     "server_options",
@@ -675,40 +675,45 @@ class RunningCoordinator:
         await self.server.wait_for_termination()
 
 
-def concurrent_calls(settings: Settings) -> int:
-    """Heartbeat streams are RPCs too (one per agent): room for every member twice (a reconnect's old
-    and new stream) and the operators; past that, gRPC answers RESOURCE_EXHAUSTED at once."""
-    return 2 * settings.max_members + 1024
+# gRPC sets TCP_USER_TIMEOUT on every socket its server accepts to its keepalive timeout, 20 s by default.
+_GRPC_USER_TIMEOUT_S = 20.0
 
 
-# gRPC's server sockets carry TCP_USER_TIMEOUT, 20 s unless grpc.keepalive_timeout_ms says otherwise.
-_GRPC_SERVER_USER_TIMEOUT_MS = 20_000
+def grpc_server_options(calls: int, peer_timeout_s: float) -> list[tuple[str, int]]:
+    """The gRPC server options of the coordinator and of a relay: ``calls`` concurrent calls, and
+    connections the kernel drops once what was written to the peer stays unread for
+    ``peer_timeout_s`` (never less than gRPC's own 20 s).
 
-
-def server_options(settings: Settings) -> list[tuple[str, int]]:
-    """The coordinator's gRPC server options."""
-    calls = concurrent_calls(settings)
-    # The kernel aborts a connection whose data stays unacknowledged for TCP_USER_TIMEOUT, and gRPC
-    # sets it on every server socket to its keepalive timeout (20 s by default): an agent that reads
-    # nothing for 20 s (a full receive window) lost its stream, and the coordinator took the broken
-    # stream for a crash. At 10,000 hosts a first epoch of 9000 members kept simulated agents busy
-    # that long, and 651 healthy hosts were declared dead. Silence is the detector's to judge
-    # (heartbeat_timeout_s, which grows with the fleet), so the kernel waits at least as long.
-    user_timeout_ms = max(_GRPC_SERVER_USER_TIMEOUT_MS, round(settings.detector.heartbeat_timeout_s * 1000))
+    The kernel aborts a connection whose data stays unacknowledged for TCP_USER_TIMEOUT, and a peer
+    that reads nothing fills its receive window: at 20 s an agent busy for 20 s lost its stream, and
+    the coordinator took the broken stream for a crash. At 10,000 hosts a first epoch of 9000
+    members kept simulated agents busy that long, and 651 healthy hosts were declared dead."""
     return [
         # Agents ping every half second to notice a dead link quickly: allow it, never count strikes.
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 100),
         ("grpc.http2.max_ping_strikes", 0),
         ("grpc.keepalive_permit_without_calls", 1),
-        # The server sends no keepalive pings of its own (every two hours, gRPC's default): this only
-        # sets the sockets' TCP_USER_TIMEOUT.
-        ("grpc.keepalive_timeout_ms", user_timeout_ms),
+        # A server's own keepalive pings come every two hours (gRPC's default): in effect this sets
+        # only the sockets' TCP_USER_TIMEOUT.
+        ("grpc.keepalive_timeout_ms", round(max(_GRPC_USER_TIMEOUT_S, peer_timeout_s) * 1000)),
         # gRPC's core cancels calls that arrive while more than 1000 (3000 at once) wait for the
         # server to take them: a fleet acknowledging a new epoch together got CANCELLED answers
         # (the event loop takes one call at a time). Calls wait for the loop instead.
         ("grpc.server.max_pending_requests", calls),
         ("grpc.server.max_pending_requests_hard_limit", calls),
     ]
+
+
+def _concurrent_calls(settings: Settings) -> int:
+    """Heartbeat streams are RPCs too (one per agent): room for every member twice (a reconnect's old
+    and new stream) and the operators; past that, gRPC answers RESOURCE_EXHAUSTED at once."""
+    return 2 * settings.max_members + 1024
+
+
+def server_options(settings: Settings) -> list[tuple[str, int]]:
+    """The coordinator's gRPC server options. Silence is the detector's to judge
+    (``heartbeat_timeout_s``, which grows with the fleet), so the kernel waits at least as long."""
+    return grpc_server_options(_concurrent_calls(settings), settings.detector.heartbeat_timeout_s)
 
 
 async def serve(settings: Settings, tls: Tls | None) -> RunningCoordinator:
@@ -724,7 +729,7 @@ async def serve(settings: Settings, tls: Tls | None) -> RunningCoordinator:
     store = RedisStore(connection, settings.job_id)
     coordinator = Coordinator(settings, store)
     server = grpc.aio.server(
-        maximum_concurrent_rpcs=concurrent_calls(settings), options=server_options(settings)
+        maximum_concurrent_rpcs=_concurrent_calls(settings), options=server_options(settings)
     )
     servicer = CoordinatorServicer(coordinator, Authorizer(coordinator.metrics, secure=tls is not None))
     add_servicer(servicer, server)
