@@ -1,15 +1,18 @@
 """Pieces of the training state moved between trainers, host to host, over plain TCP.
 
-Every trainer runs a ``PieceServer``: it serves the pieces its process holds (its own snapshots and
-the buddy copies it keeps) to any member that asks, by restore point and key. A restore fetches the
+Every trainer of an epoch of more than one process runs a ``PieceServer`` (an epoch of one fetches
+nothing and opens no socket): it serves the pieces its process holds (its own snapshots and the buddy
+copies it keeps) to any member that asks, by restore point and key. A restore fetches the
 cells a process lacks from the members ``sharding.plan_fetch`` picked; a buddy refresh fetches a
 peer's own pieces of a step. Not the JAX coordination service's key-value
 store: it holds every value in process 0 and compresses it (seconds for tens of megabytes here).
 
 Wire format, one request per connection: the client sends one JSON line
-``{"step": S, "layout": E, "keys": [[leaf, cell], ...]}``; the server answers one JSON line, either
-``{"ok": true, "arrays": [[dtype, shape], ...]}`` followed by the raw bytes of each array in order,
-or ``{"ok": false, "error": "..."}``.
+``{"step": S, "layout": E, "keys": [[leaf, cell], ...], "pin": bool}``; the server answers one JSON
+line, either ``{"ok": true, "arrays": [[dtype, shape], ...]}`` followed by the raw bytes of each
+array in order (C order, this machine's byte order), or ``{"ok": false, "error": "..."}``. A dtype
+goes by its name ('bfloat16', 'float8_e4m3fn', 'int4', ...: ``remesh.elastic.dtypes``) and its
+bytes as they are, so every dtype JAX uses arrives bit for bit.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 import numpy as np
 import structlog
 
+from remesh.elastic.dtypes import as_bytes, dtype_name, dtype_of
 from remesh.elastic.sharding import Cell
 
 __all__ = [
@@ -101,17 +105,22 @@ class PieceServer:
                 header = {"ok": False, "error": f"{len(missing)} of {len(keys)} pieces not held at {point}"}
                 conn.sendall(json.dumps(header).encode() + b"\n")
                 return
-            arrays = [np.require(held[k], requirements="C") for k in keys]  # keeps 0-d arrays 0-d
+            arrays = [held[k] for k in keys]
+            try:
+                described = [[dtype_name(a.dtype), list(a.shape)] for a in arrays]
+            except ValueError as exc:
+                conn.sendall(json.dumps({"ok": False, "error": str(exc)}).encode() + b"\n")
+                return
             if request.get("pin"):
                 lower_priority()  # a buddy copy, beside training (a restore's fetch goes first)
             if request.get("pin") and self._on_copied is not None:
                 # A buddy copies this step whole: keep it until a newer one is copied. Pinned before
                 # the bytes go, so the step is kept by the time the copier holds its copy.
                 self._on_copied(point[0])
-            header = {"ok": True, "arrays": [[a.dtype.str, list(a.shape)] for a in arrays]}
+            header = {"ok": True, "arrays": described}
             conn.sendall(json.dumps(header).encode() + b"\n")
             for a in arrays:
-                conn.sendall(a.data.cast("B"))
+                conn.sendall(as_bytes(a))
 
 
 class FetchFailed(Exception):
@@ -139,8 +148,8 @@ def fetch(
                 raise FetchFailed(f"{address}: {header.get('error', 'refused')}")
             out: Pieces = {}
             for key, (dtype, shape) in zip(keys, header["arrays"], strict=True):
-                array = np.empty(shape, dtype=np.dtype(dtype))
-                _read_into(reader, array.data.cast("B"))
+                array = np.empty(shape, dtype=dtype_of(dtype))
+                _read_into(reader, as_bytes(array))  # a view of the array: filled in place
                 out[key] = array
             return out
     except (OSError, ValueError) as exc:

@@ -7,10 +7,15 @@ A replicated leaf is one piece covering all of it. Two copies of the last few st
 tmpfs, so still host memory, which survives the trainer process: a trainer the agent restarts after
 a JAX abort restores from it).
 
-A snapshot file is a JSON header and the raw bytes of every piece; reading one maps it into memory,
-so learning what a restarted process holds costs nothing until a piece is used. A file that is not
-whole (truncated, or not ours) is reported and skipped: the restore falls back to the next tier, it
-never fails on it.
+A snapshot file is a JSON header (every piece's dtype by name, ``remesh.elastic.dtypes``) and the
+raw bytes of every piece, whatever its dtype; reading one maps it into memory, so learning what a
+restarted process holds costs nothing until a piece is used. A file that is not whole (truncated,
+or not ours) is reported and skipped: the restore falls back to the next tier, it never fails on it.
+
+A snapshot that cannot be written to its directory (the directory full or gone) is kept in the
+process only, and that is an error the user sees: logged as one, and reported to ``on_not_kept``
+(the session counts it and records an event). A file half written is deleted before the error goes
+on: ``/dev/shm`` is memory, and a stray temporary file would hold it for as long as the host runs.
 """
 
 from __future__ import annotations
@@ -23,22 +28,35 @@ import shutil
 import threading
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 import structlog
 
+from remesh.elastic.dtypes import as_bytes, dtype_name, dtype_of
 from remesh.elastic.exchange import Pieces, decode_key, encode_key
 from remesh.elastic.sharding import volume
 
-__all__ = ["Snapshot", "Snapshots", "claim", "fits", "read_pieces", "release", "write_pieces"]
+__all__ = [
+    "HOST_SHM",
+    "NotKept",
+    "Snapshot",
+    "Snapshots",
+    "claim",
+    "fits",
+    "read_pieces",
+    "release",
+    "write_pieces",
+]
 
 log = structlog.get_logger("remesh.elastic")
 
 _MAGIC = b"remesh-snapshot-1\n"
 _SUFFIX = ".snap"
+# A snapshot file being written: renamed to its final name once whole.
+_TEMPORARY = f"{_SUFFIX}.tmp"
 _ALIGN = 64
 _HEADER_MAX = 64 << 20
 # Retired snapshot files kept to be written over.
@@ -96,10 +114,22 @@ class Snapshot:
         self.step, self.layout, self.pieces, self.tier = step, layout, pieces, tier
 
 
+# The tier of a snapshot read from, or meant for, a snapshot directory (as ``Snapshot.tier`` says).
+HOST_SHM = "host-shm"
+# Called as (step, tier, error) when a snapshot could not be kept in that tier.
+NotKept = Callable[[int, str, str], None]
+
+
 class Snapshots:
-    def __init__(self, keep: int, directory: Path | None) -> None:
+    """The last ``keep`` snapshots of one process: in memory, and in ``directory`` where given.
+
+    ``on_not_kept(step, tier, error)``: told of every snapshot that could not be written to
+    ``directory`` (tier ``"host-shm"``); it is kept in the process all the same."""
+
+    def __init__(self, keep: int, directory: Path | None, on_not_kept: NotKept | None = None) -> None:
         self.keep = keep
         self.directory = directory
+        self.on_not_kept = on_not_kept
         self._memory: collections.OrderedDict[int, tuple[int, Pieces]] = collections.OrderedDict()
         # Steps a peer copied (its buddy copy of ours): kept past the window until newer ones are.
         self._pinned: collections.deque[int] = collections.deque(maxlen=2)
@@ -108,6 +138,9 @@ class Snapshots:
         # (a snapshot held, a peer being served, a restore under way). Only a file whose mapping is
         # gone is written over.
         self._maps: dict[int, weakref.ref[np.ndarray]] = {}
+        # Temporary files this object is writing now: any other one in the directory is a stray
+        # (a write cut short by a kill) that ``clear`` and ``drop_after`` delete.
+        self._writing: set[Path] = set()
         if directory is not None:
             directory.mkdir(parents=True, exist_ok=True)
 
@@ -115,25 +148,35 @@ class Snapshots:
         """Keep ``pieces`` as the snapshot of ``step``; returns what is kept. With a directory the
         pieces are written to a file there and what is kept in memory is that file, mapped: one
         copy of the bytes in all, and ``pieces`` may be views the caller does not own (a device
-        buffer's). Without one, or where the file cannot be written, ``pieces`` themselves (copied
-        if the file failed): the caller hands over pieces it owns."""
+        buffer's). Without one, ``pieces`` themselves: the caller hands over pieces it owns. Where
+        the file cannot be written, a copy of ``pieces``, and ``on_not_kept`` is told."""
         if self.keep <= 0:
             return pieces
         kept = pieces
+        failed: str | None = None
         if self.directory is not None:
             # In /dev/shm, so that a trainer process the agent restarts finds it too. Written whole
             # under a temporary name first: a restore never reads half a snapshot.
             try:
                 kept = self._map(self._write(step, layout, pieces))[1]
-            except (OSError, ValueError) as exc:
-                log.warning(
-                    "snapshot not written to shared memory; kept in the process", step=step, error=str(exc)
+            except Exception as exc:  # whatever it was, the snapshot is not where it was meant to be
+                failed = f"{type(exc).__name__}: {exc}"
+                log.error(
+                    "snapshot not written to its directory: kept in this process only, so a trainer "
+                    "the agent restarts will not find it; check that the directory exists, is "
+                    "writable and has free space (df -h on it; /dev/shm is sized by the host's RAM)",
+                    step=step,
+                    tier=HOST_SHM,
+                    directory=str(self.directory),
+                    error=failed,
                 )
                 kept = {key: np.array(values, copy=True) for key, values in pieces.items()}
         with self._lock:
             self._memory[step] = (layout, kept)
             self._memory.move_to_end(step)
             self._trim()
+        if failed is not None and self.on_not_kept is not None:
+            self.on_not_kept(step, HOST_SHM, failed)
         return kept
 
     def pin(self, step: int) -> None:
@@ -160,16 +203,24 @@ class Snapshots:
         piece), then the raw bytes of each piece; written whole under a temporary name, then renamed."""
         assert self.directory is not None
         where = _layout(step, layout, pieces)
-        tmp = self.directory / f".step_{step:010d}{_SUFFIX}.tmp"
-        # Written over a retired file of the same size where one is free: its pages are allocated
-        # already (a new file of tens of megabytes in tmpfs costs three times the copy, in faults).
-        spare = self._take_spare(where.size)
-        if spare is not None:
-            os.replace(spare, tmp)
-        with open(tmp, "r+b" if spare is not None else "wb") as f:
-            _dump(f, where, pieces)
+        tmp = self.directory / f".step_{step:010d}{_TEMPORARY}"
         final = self.directory / f"step_{step:010d}{_SUFFIX}"
-        os.replace(tmp, final)
+        with self._lock:
+            self._writing.add(tmp)
+        try:
+            with _removed_if_failed(tmp):
+                # Written over a retired file of the same size where one is free: its pages are
+                # allocated already (a new file of tens of megabytes in tmpfs costs three times the
+                # copy, in faults).
+                spare = self._take_spare(where.size)
+                if spare is not None:
+                    os.replace(spare, tmp)
+                with open(tmp, "r+b" if spare is not None else "wb") as f:
+                    _dump(f, where, pieces)
+                os.replace(tmp, final)
+        finally:
+            with self._lock:
+                self._writing.discard(tmp)
         # Keep the steps held in memory (the newest, and those a buddy copied); any "newer" ones
         # left by an abandoned timeline (a run that went further before restoring an older step) go.
         # A file still mapped by a snapshot dropped meanwhile stays readable until it is let go.
@@ -228,6 +279,15 @@ class Snapshots:
                 *self.directory.glob(f".spare_*{_SUFFIX}"),
             ]:
                 path.unlink(missing_ok=True)
+            self._remove_strays()
+
+    def let_go(self) -> None:
+        """Drop every snapshot held in the process (and so its file's mapping: a file deleted since
+        gives its memory back once nothing maps it). The files stay, for a process that comes next."""
+        with self._lock:
+            self._memory.clear()
+            self._pinned.clear()
+            self._maps.clear()
 
     def drop_after(self, step: int) -> None:
         """Forget steps past ``step``: the job restored ``step`` and abandoned what came after."""
@@ -238,6 +298,17 @@ class Snapshots:
             for path in self.directory.glob(f"step_*{_SUFFIX}"):
                 if _step_of(path) > step:
                     path.unlink(missing_ok=True)
+            self._remove_strays()
+
+    def _remove_strays(self) -> None:
+        """Delete the temporary files in the directory that this object is not writing: writes cut
+        short by a kill (a failed write deletes its own)."""
+        assert self.directory is not None
+        with self._lock:
+            writing = set(self._writing)
+        for path in self.directory.glob(f".step_*{_TEMPORARY}"):
+            if path not in writing:
+                path.unlink(missing_ok=True)
 
     def steps(self) -> list[int]:
         found = set(self._memory)
@@ -278,7 +349,7 @@ class Snapshots:
         if not fits(pieces, shapes):
             log.warning("host snapshot does not fit this model; ignoring it", step=step, path=str(path))
             return None
-        return Snapshot(step, layout, pieces, "host-shm")
+        return Snapshot(step, layout, pieces, HOST_SHM)
 
 
 def write_pieces(path: Path, step: int, layout: int, pieces: Pieces) -> int:
@@ -287,12 +358,24 @@ def write_pieces(path: Path, step: int, layout: int, pieces: Pieces) -> int:
     Each write of a piece's bytes releases the interpreter lock."""
     where = _layout(step, layout, pieces)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        _dump(f, where, pieces)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with _removed_if_failed(tmp):
+        with open(tmp, "wb") as f:
+            _dump(f, where, pieces)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
     return where.size
+
+
+@contextlib.contextmanager
+def _removed_if_failed(tmp: Path) -> Iterator[None]:
+    """Delete ``tmp`` if the block raises (then the error goes on): a file half written is never
+    left behind, whatever stopped it (a full disk, a piece that cannot be written, an interrupt)."""
+    try:
+        yield
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_pieces(path: Path) -> tuple[int, Pieces]:
@@ -317,7 +400,7 @@ def _layout(step: int, layout: int, pieces: Pieces) -> _Layout:
     offset = 0
     for key, values in pieces.items():
         offset = -(-offset // _ALIGN) * _ALIGN
-        entries.append([encode_key(key), values.dtype.str, list(values.shape), offset, values.nbytes])
+        entries.append([encode_key(key), dtype_name(values.dtype), list(values.shape), offset, values.nbytes])
         offset += values.nbytes
     header = json.dumps({"step": step, "layout": layout, "pieces": entries, "size": offset}).encode()
     head = _MAGIC + len(header).to_bytes(8, "little") + header
@@ -330,20 +413,30 @@ def _dump(f: Any, where: _Layout, pieces: Pieces) -> None:
     f.write(where.head)
     for at, values in zip(where.offsets, pieces.values(), strict=True):
         f.seek(at)
-        f.write(np.require(values, requirements="C").data.cast("B"))
+        f.write(as_bytes(values))
     f.truncate(where.size)
 
 
 def fits(pieces: Pieces, shapes: Sequence[tuple[tuple[int, ...], Any]]) -> bool:
+    """Whether every piece lies inside its leaf of ``shapes`` ((shape, dtype) per leaf; a dtype, a
+    scalar type, or a name ``dtype_of`` knows), holds that leaf's dtype and fills its cell. A leaf
+    with no elements has empty cells."""
     for (leaf, cell), values in pieces.items():
         if not 0 <= leaf < len(shapes):
             return False
         shape, dtype = shapes[leaf]
-        if len(cell) != len(shape) or any(not 0 <= a < b <= n for (a, b), n in zip(cell, shape, strict=True)):
+        inside = len(cell) == len(shape) and all(
+            0 <= a <= b <= n for (a, b), n in zip(cell, shape, strict=True)
+        )
+        if not inside:
             return False
-        if values.dtype != np.dtype(dtype) or values.size != volume(cell):
+        if values.dtype != _as_dtype(dtype) or values.size != volume(cell):
             return False
     return True
+
+
+def _as_dtype(dtype: Any) -> np.dtype[Any]:
+    return dtype_of(dtype) if isinstance(dtype, str) else np.dtype(dtype)
 
 
 def _read(path: Path) -> tuple[int, Pieces, np.ndarray | None]:
@@ -369,7 +462,7 @@ def _read(path: Path) -> tuple[int, Pieces, np.ndarray | None]:
             if nbytes and mapped is not None
             else np.zeros(0, np.uint8)
         )
-        pieces[decode_key(raw_key)] = flat.view(np.dtype(dtype)).reshape(shape)
+        pieces[decode_key(raw_key)] = flat.view(dtype_of(dtype)).reshape(shape)
     return int(header["layout"]), pieces, mapped
 
 

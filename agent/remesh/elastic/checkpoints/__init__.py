@@ -56,6 +56,13 @@ Errors::
 
 Storage errors (``OSError``, ``google.api_core`` exceptions) pass through unchanged: a failed save
 is safe to retry, since it left at most an incomplete step.
+
+Dtypes: every leaf comes back bit for bit and of its own dtype (bfloat16, the float8 kinds, int4,
+bool, complex: Orbax stores their bytes through tensorstore, and a pieces file names each dtype and
+holds its raw bytes, ``remesh.elastic.dtypes``). Orbax cannot store a dtype tensorstore has no type
+for (float8_e4m3, uint4 and uint2 with tensorstore 0.1.86), nor an array with no elements: a save
+or ``write_global`` of such a state raises ``CheckpointError`` naming the leaf, before anything is
+written. A sharded state written as pieces (``LocalCheckpoints(pieces=True)``) keeps those too.
 """
 
 from remesh.elastic.checkpoints._base import Approve, Checkpoints, Restored, Trusted

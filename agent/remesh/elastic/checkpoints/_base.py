@@ -22,6 +22,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import structlog
+import tensorstore as ts
 
 from remesh.elastic.errors import (
     AlreadyCommitted,
@@ -236,6 +237,32 @@ def _at_callers_priority() -> Iterator[None]:
         demote_threads(_TENSORSTORE_WORKERS)
 
 
+def _orbax_can_write(state: PyTree) -> None:
+    """CheckpointError, before anything is written, naming the first leaf of ``state`` that Orbax
+    cannot store: one of a dtype tensorstore (the storage Orbax writes through) has no type for
+    (tensorstore 0.1.86: float8_e4m3, uint4, uint2), or one with no elements (Orbax refuses
+    those). Orbax would otherwise fail on it halfway through a save."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is None:
+            continue
+        name, shape = np.dtype(dtype).name, tuple(np.shape(leaf))
+        try:
+            ts.dtype(name)
+        except (ValueError, TypeError):
+            why = f"tensorstore, which Orbax writes through, has no data type {name!r}"
+        else:
+            if 0 not in shape:
+                continue
+            why = "Orbax refuses arrays with no elements"
+        raise CheckpointError(
+            f"leaf {jax.tree_util.keystr(path) or '(root)'} ({name}, shape {list(shape)}) cannot be "
+            f"checkpointed with Orbax: {why}; nothing was written. Host-memory snapshots and a sharded "
+            "state written as pieces (LocalCheckpoints(pieces=True)) keep it bit for bit; for an Orbax "
+            "checkpoint, hold that leaf in a dtype tensorstore stores, with at least one element."
+        )
+
+
 def _orbax_save(path: Path, state: PyTree, compress: bool) -> None:
     with _at_callers_priority(), _orbax(compress) as checkpointer:
         checkpointer.save(path, args=ocp.args.PyTreeSave(state))
@@ -312,6 +339,7 @@ class Checkpoints(abc.ABC):
             raise ValueError(f"step and epoch must be >= 0, got step={step} epoch={epoch}")
         extra = dict(extra or {})
         json.dumps(extra)  # fail before writing anything if it is not JSON-able
+        _orbax_can_write(state)
         if jax.process_index() != 0:
             raise NotProcessZero(
                 f"save called from JAX process {jax.process_index()}: Orbax writes host arrays "
@@ -362,6 +390,7 @@ class Checkpoints(abc.ABC):
         """Every process: write its own shards of ``state`` (``jax.Array`` leaves) into the step;
         where the tier ``tells_digests``, then the digests of the files it wrote (for rank 0's
         commit, once every process returned from this: it reads the files nobody told it about)."""
+        _orbax_can_write(state)  # on every process alike, before any of them writes
         path = self._global_dir(step) / STATE
         with _at_callers_priority(), _orbax_global(self.compress) as checkpointer:
             checkpointer.save(path, args=ocp.args.PyTreeSave(state))

@@ -128,13 +128,13 @@ class LocalCheckpoints(Checkpoints):
         # exists (like O_EXCL), and no reader ever sees a half-written marker.
         marker = self._marker_path(step)
         temporary = marker.with_name(f".{MARKER}.{os.getpid()}.tmp")
-        _write_synced(temporary, data)
         try:
+            _write_synced(temporary, data)
             os.link(temporary, marker)
         except FileExistsError:
             raise AlreadyCommitted(f"step {step} is committed in {self.name} already") from None
         finally:
-            temporary.unlink()
+            temporary.unlink(missing_ok=True)  # written or not, linked or not
         _sync_dir(marker.parent)
 
     def _committed(self, step: int, staged: Path) -> None:
@@ -196,6 +196,10 @@ def _sync_dir(path: Path) -> None:
 
 def _write_atomically(path: Path, data: bytes) -> None:
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    _write_synced(temporary, data)
-    os.replace(temporary, path)
+    try:
+        _write_synced(temporary, data)
+        os.replace(temporary, path)
+    except BaseException:  # a failed write leaves no temporary file behind (a full disk, say)
+        temporary.unlink(missing_ok=True)
+        raise
     _sync_dir(path.parent)
