@@ -228,6 +228,7 @@ def test_health_reflection_and_metrics_are_served(running: Cluster) -> None:
         ("[::]:50051", "::"),
         ("localhost:0", "localhost"),
         (":50051", "0.0.0.0"),
+        ("unix:/run/remesh/coordinator.sock", "127.0.0.1"),  # reached from this machine alone
     ],
 )
 def test_metrics_bind_where_grpc_listens(listen: str, host: str) -> None:

@@ -408,6 +408,23 @@ def test_a_new_topology_records_how_far_the_epoch_it_replaces_got() -> None:
     assert plan(50.0, state, restarted, S()).details == {"reached_step": "-1"}  # nobody knows
 
 
+def test_a_job_whose_every_member_was_lost_still_restores_what_it_completed() -> None:
+    """A job of one whose trainer died: its host registered again as a spare and takes its rank
+    back. No member survived to report a step, yet the job completed some: the new epoch must not
+    say -1 ("start from scratch"), or the trainer would skip the snapshot its predecessor left."""
+    state = formed(("a0",), states={"a0": ALIVE}, restore_step=-1)
+    state = ClusterState(
+        {"a0": member("a0", ALIVE, incarnation=2)}, state.topology, None, state.live_epoch, state.acks
+    )
+    decision = plan(20.0, state, {"a0": -1}, S(world_size=1), reached=17)
+    assert (decision.kind, decision.hosts, decision.restore_step) == (Kind.REPLACE, ("a0",), 17)
+    # With a survivor that reported, its step decides, as before.
+    two = formed(("a0", "a1"), states={"a1": DEAD}, others=spares("s0"), restore_step=5)
+    assert plan(20.0, two, {"a0": 9, "a1": 12}, S(world_size=2), reached=12).restore_step == 9
+    # Nobody knows of a step: what the last topology said stays.
+    assert plan(20.0, state, {"a0": -1}, S(world_size=1)).restore_step == -1
+
+
 def test_new_epoch_is_old_plus_one_and_survivors_keep_their_ranks() -> None:
     state = formed(FOUR, epoch=9, states={"a2": DEAD}, others=spares("s0", "s1"))
     decision = plan(50.0, state, {"a0": 4, "a1": 4, "a3": 4}, S())

@@ -191,6 +191,12 @@ def test_connection_settings_pick_the_client_and_never_show_the_password() -> No
     assert "hunter2" not in secret.redacted_url and secret.redacted_url == "redis://admin:***@10.0.0.5:6379/0"
     assert "hunter2" not in RedisStore(secret, "job").url
 
+    # A Unix socket: the URL goes to the client as given (three slashes), the password never shown.
+    unix = RedisConnection("unix://admin:hunter2@/run/redis/redis.sock?db=0")
+    assert not unix.cluster and not unix.tls and unix.client_url() == unix.url
+    assert unix.redacted_url == "unix://admin:***@/run/redis/redis.sock?db=0"
+    assert type(unix.connect()).__name__ == "Redis"
+
     with pytest.raises(ValueError, match="scheme 'http'"):
         RedisConnection("http://127.0.0.1:6379")
     with pytest.raises(ValueError, match="not a rediss:// URL"):

@@ -116,6 +116,12 @@ def main(argv: list[str] | None = None) -> int:
         help="buddy copies every K steps, a multiple of --snapshot-every (default: every snapshot; 0: none)",
     )
     p.add_argument(
+        "--shm-dir",
+        default=Policy().shm_dir,
+        help="the folder where snapshots outlive this process, for the agent's next trainer to restore "
+        "(default: /dev/shm)",
+    )
+    p.add_argument(
         "--mtbf",
         type=float,
         default=Policy().mtbf_s,
@@ -148,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.buddy_every is None
             else args.buddy_every,
             mtbf_s=args.mtbf,
+            shm_dir=args.shm_dir,
             # A sharded state is gathered whole at the end only where it is written out whole.
             gather_final=bool(args.save_final) and args.sharding != "replicated",
         )

@@ -268,8 +268,12 @@ class Agent:
 
         By default a Unix socket in a fresh directory only this user may enter (mode 0700): no other
         local user can speak for the trainer. ``local_listen`` host:port binds TCP on loopback
-        instead, which any local user can reach.
+        instead, which any local user can reach; ``unix:/path`` a Unix socket there.
         """
+        if self.settings.local_listen.startswith("unix:"):
+            server.add_insecure_port(self.settings.local_listen)
+            self.local_address = self.settings.local_listen
+            return None
         if self.settings.local_listen:
             port = server.add_insecure_port(self.settings.local_listen)
             host = self.settings.local_listen.rsplit(":", 1)[0] or "127.0.0.1"

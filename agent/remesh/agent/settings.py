@@ -11,7 +11,8 @@ __all__ = ["AgentSettings"]
 
 @dataclass(frozen=True)
 class AgentSettings:
-    # Coordinator addresses (host:port); the agent tries them in turn until one answers.
+    # Coordinator addresses (host:port, or unix:/path for a Unix socket); the agent tries them in turn
+    # until one answers.
     coordinators: tuple[str, ...]
     host_id: str
     trainer_command: tuple[str, ...]
@@ -21,7 +22,8 @@ class AgentSettings:
     address: str = "127.0.0.1"
     job_id: str = "default"
     # Local API for the trainer (its address passed in the trainer's environment): "" is a Unix
-    # socket in a directory only this user may enter; host:port binds TCP (port 0: a free one).
+    # socket in a directory only this user may enter; host:port binds TCP (port 0: a free one);
+    # unix:/path a Unix socket there.
     local_listen: str = ""
     # Prometheus /metrics of the agent and its trainer on this port (None: off; 0: a free one), bound
     # to ``metrics_address`` (0.0.0.0 in a pod, for the scraper).

@@ -199,12 +199,13 @@ def advertised_host(peer: str) -> str:
     if override := os.environ.get("REMESH_PEER_HOST"):
         return override
     host = peer.rpartition(":")[0].strip("[]") or "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
+    try:
+        # Opening the socket may fail too: some hosts allow no TCP/UDP socket at all.
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             probe.connect((socket.gethostbyname(host), 9))
             return str(probe.getsockname()[0])
-        except OSError:
-            return "127.0.0.1"
+    except OSError:
+        return "127.0.0.1"
 
 
 def _read_into(reader: Any, view: memoryview) -> None:

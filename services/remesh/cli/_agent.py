@@ -29,7 +29,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--coordinator",
         default=os.environ.get("REMESH_COORDINATOR", "127.0.0.1:50051"),
-        help="coordinator address host:port, or several separated by commas (env REMESH_COORDINATOR)",
+        help="coordinator address host:port or unix:/path (a Unix socket), or several separated by "
+        "commas (env REMESH_COORDINATOR)",
     )
     p.add_argument(
         "--relay",
@@ -84,8 +85,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--local-listen",
         default="",
-        help="host:port of the local API for the trainer (TCP: any local user can reach it); default: a "
-        "Unix socket in a directory only this user may enter",
+        help="host:port (TCP: any local user can reach it) or unix:/path of the local API for the "
+        "trainer; default: a Unix socket in a directory only this user may enter",
     )
     p.add_argument(
         "--metrics-port",

@@ -29,7 +29,8 @@ def add_parser(sub: Any) -> None:
         "--redis",
         default=os.environ.get("REMESH_REDIS_URL", "redis://127.0.0.1:6379/0"),
         help="Redis URL (env REMESH_REDIS_URL): redis://, rediss:// (TLS), redis+cluster:// or "
-        "rediss+cluster:// (Redis Cluster, any node), or 'embedded' to start a private redis-server",
+        "rediss+cluster:// (Redis Cluster, any node), unix:///PATH?db=0 (a Unix socket), or 'embedded' "
+        "to start a private redis-server on a Unix socket",
     )
     p.add_argument(
         "--redis-username",
@@ -48,14 +49,20 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--advertise",
         default=os.environ.get("REMESH_ADVERTISE"),
-        help="HOST:PORT agents reach this replica at (env REMESH_ADVERTISE; implies --ha); "
+        help="HOST:PORT or unix:/PATH agents reach this replica at (env REMESH_ADVERTISE; implies --ha); "
         "default: the listen address",
     )
     p.add_argument(
         "--lease-ttl", type=float, help="seconds a dead leader's lease lasts before a follower takes over"
     )
     p.add_argument("--job", default=os.environ.get("REMESH_JOB", "default"), help="job id (env REMESH_JOB)")
-    p.add_argument("--listen", default="127.0.0.1:50051", help="gRPC address; port 0 picks a free port")
+    p.add_argument(
+        "--listen",
+        default="127.0.0.1:50051",
+        help="gRPC address: HOST:PORT (port 0 picks a free port), or unix:/PATH for a Unix socket (no TCP "
+        "port: with Redis on a Unix socket or embedded, and no --metrics-port or --health-port, the "
+        "coordinator opens no TCP/UDP socket at all)",
+    )
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     p.add_argument(
         "--health-port",
@@ -215,7 +222,8 @@ def run(args: argparse.Namespace) -> int:
     if redis_url == "embedded":
         from remesh.embedded import RedisServer
 
-        embedded = RedisServer().start()
+        # On a Unix socket: a private server needs no TCP port (and some hosts allow none).
+        embedded = RedisServer(unix=True).start()
         redis_url = embedded.url
         log.info("embedded redis started", url=redis_url, dir=embedded.directory)
     try:

@@ -63,7 +63,7 @@ _REPLAY_ATTEMPTS = 3
 _HINTS: dict[grpc.StatusCode, str] = {
     grpc.StatusCode.UNAVAILABLE: (
         "is the coordinator running at {address}? Start it with `remesh coordinator`, or point "
-        "--coordinator / REMESH_COORDINATOR at the right host:port"
+        "--coordinator / REMESH_COORDINATOR at the right host:port or unix:/path"
     ),
     grpc.StatusCode.DEADLINE_EXCEEDED: (
         "the coordinator at {address} did not answer within the deadline; check the address, or raise --timeout"
@@ -373,9 +373,10 @@ def _common(default_address: str) -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--coordinator",
-        metavar="HOST:PORT",
+        metavar="ADDRESS",
         default=default_address,
-        help=f"the coordinator's gRPC address (default: $REMESH_COORDINATOR, else {_DEFAULT_ADDRESS})",
+        help="the coordinator's gRPC address, HOST:PORT or unix:/PATH (default: $REMESH_COORDINATOR, "
+        f"else {_DEFAULT_ADDRESS})",
     )
     common.add_argument("--json", action="store_true", help="print JSON for scripts instead of tables")
     add_tls_arguments(common, "your (role operator or reader)")

@@ -28,9 +28,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--coordinator",
         default=os.environ.get("REMESH_COORDINATOR", "127.0.0.1:50051"),
-        help="coordinator address host:port, or several separated by commas (env REMESH_COORDINATOR)",
+        help="coordinator address host:port or unix:/path (a Unix socket), or several separated by "
+        "commas (env REMESH_COORDINATOR)",
     )
-    p.add_argument("--listen", default="0.0.0.0:50061", help="gRPC address agents reach this relay at")
+    p.add_argument(
+        "--listen", default="0.0.0.0:50061", help="gRPC address agents reach this relay at (or unix:/PATH)"
+    )
     p.add_argument(
         "--keepalive",
         type=float,

@@ -162,11 +162,15 @@ def plan(
     # Spares that were never lost first: a host lost a moment ago that registered again within the
     # burst window (its trainer crashed, its agent is fine) goes back in only when no one else can.
     spares = sorted((m.host_id for m in up if m.host_id not in staying), key=lambda h: h in gone)
-    restore = _restore_step(survivors, steps, topology.restore_step)
     # How far the epoch being replaced got (its furthest member): recorded with the new topology, so
     # the event log alone says how many steps a recovery threw away (remesh.coordinator.goodput).
     furthest = max((steps[h] for h in current if h in steps), default=-1)
-    details = {"reached_step": str(max(furthest, reached if reached is not None else -1))}
+    reached_step = max(furthest, reached if reached is not None else -1)
+    details = {"reached_step": str(reached_step)}
+    # Where no survivor reported a step (every member was lost: a job of one whose trainer died), the
+    # steps the lost ones completed still count: -1 would tell the new members the job never
+    # completed one, and they would start from scratch past every snapshot and checkpoint it kept.
+    restore = _restore_step(survivors, steps, max(topology.restore_step, reached_step))
 
     if not lost and state.address_refused_epoch == topology.epoch:
         return Decision(

@@ -9,6 +9,7 @@ The URL's scheme picks the client (the ``redis`` library's own clients; nothing 
                                every key of a job shares the hash tag ``{JOB}``, so a job lives in
                                one slot and its Lua scripts run there
 ``rediss+cluster://HOST:PORT`` a Redis Cluster over TLS
+``unix:///PATH?db=DB``         one server on this machine, over its Unix socket (no TCP at all)
 =============================  ==============================================================
 
 An ACL user and password come from the URL (``redis://user:secret@host``) or, so that secrets stay
@@ -28,7 +29,7 @@ __all__ = ["RedisClient", "RedisConnection"]
 
 RedisClient = aioredis.Redis | aioredis.RedisCluster
 
-_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
+_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster", "unix")
 
 
 @dataclass(frozen=True)
@@ -64,11 +65,14 @@ class RedisConnection:
         parts = urlsplit(self.url)
         if parts.password is None:
             return self.url
-        netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+        host = parts.hostname or ""  # none in unix://user:secret@/path
+        netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
         return urlunsplit(parts._replace(netloc=netloc))
 
     def client_url(self) -> str:
         """The URL the ``redis`` library understands (it knows no ``+cluster`` scheme)."""
+        if not self.cluster:
+            return self.url  # as given: urlunsplit would turn unix:///path into unix:/path
         parts = urlsplit(self.url)
         return urlunsplit(parts._replace(scheme=parts.scheme.removesuffix("+cluster")))
 

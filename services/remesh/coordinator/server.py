@@ -61,6 +61,7 @@ __all__ = [
     "RunningCoordinator",
     "bind",
     "grpc_server_options",
+    "is_unix",
     "listen_host",
     "serve",
     "server_options",
@@ -621,9 +622,19 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.DrainResponse(member=convert.member_to_pb(member, self._c.member_step(member.host_id)))
 
 
+def is_unix(address: str) -> bool:
+    """Whether a gRPC address names a Unix socket (``unix:/path``, ``unix:///path``,
+    ``unix-abstract:name``) rather than a host and a TCP port."""
+    return address.startswith(("unix:", "unix-abstract:"))
+
+
 def bind(server: grpc.aio.Server, listen: str, tls: Tls | None) -> int:
-    """Add ``listen`` to ``server`` (mutual TLS with ``tls``, else plain); the port bound. Raises
-    OSError, saying what to do, when the address is taken or invalid."""
+    """Add ``listen`` to ``server`` (mutual TLS with ``tls``, else plain); the TCP port bound (0 for a
+    Unix socket: no TCP port at all). Raises OSError, saying what to do, when the address is taken
+    or invalid.
+
+    Over a Unix socket, TLS works as over TCP: clients check the coordinator's name
+    (``COORDINATOR_NAME``), never the address they dialled."""
     try:
         if tls is None:
             port = server.add_insecure_port(listen)
@@ -633,7 +644,7 @@ def bind(server: grpc.aio.Server, listen: str, tls: Tls | None) -> int:
         port = 0
     if port == 0:
         raise OSError(f"cannot listen on {listen}: the address is taken or invalid; pick another --listen")
-    return port
+    return 0 if is_unix(listen) else port
 
 
 def listen_host(listen: str) -> str:
@@ -641,7 +652,10 @@ def listen_host(listen: str) -> str:
 
     /metrics listens where gRPC does: loopback stays private on one machine, and a coordinator told
     to listen on every interface (``0.0.0.0:50051`` in a pod) can be scraped by Prometheus as well.
+    One on a Unix socket is reached from this machine only: its /metrics stays on loopback.
     """
+    if is_unix(listen):
+        return "127.0.0.1"
     host = listen.rsplit(":", 1)[0] if ":" in listen else listen
     host = host.removeprefix("[").removesuffix("]")  # [::]:50051 -> ::
     return host or "0.0.0.0"
@@ -658,10 +672,13 @@ class RunningCoordinator:
     # The plaintext port that serves the health service alone (``--health-port``), if any.
     health_server: grpc.aio.Server | None = None
     health_port: int | None = None
+    # The address it listens on, as given.
+    listen: str = ""
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        """Where a client on this machine reaches it."""
+        return self.listen if is_unix(self.listen) else f"127.0.0.1:{self.port}"
 
     async def stop(self, grace: float = 0.5) -> None:
         self.health.cancel()
@@ -780,6 +797,7 @@ async def serve(settings: Settings, tls: Tls | None) -> RunningCoordinator:
     )
     log.info(
         "coordinator serving",
+        listen=settings.listen,
         port=port,
         metrics_port=metrics_port,
         health_port=health_port,
@@ -790,7 +808,15 @@ async def serve(settings: Settings, tls: Tls | None) -> RunningCoordinator:
         advertise=coordinator.advertise if settings.ha.enabled else None,
     )
     return RunningCoordinator(
-        coordinator, server, port, metrics_port, servicer.feed, health_task, health_server, health_port
+        coordinator,
+        server,
+        port,
+        metrics_port,
+        servicer.feed,
+        health_task,
+        health_server,
+        health_port,
+        settings.listen,
     )
 
 
@@ -812,7 +838,9 @@ async def _report_health(coordinator: Coordinator, health_servicer: Any, service
 
 def _advertised(listen: str, port: int) -> str:
     """Where agents reach this replica when ``--advertise`` is not given: the listen host (this
-    machine's name for a wildcard address) with the port bound."""
+    machine's name for a wildcard address) with the port bound; a Unix socket as it is."""
+    if is_unix(listen):
+        return listen
     host = listen.rsplit(":", 1)[0].strip("[]")
     if host in ("", "0.0.0.0", "::"):
         host = socket.getfqdn()

@@ -149,7 +149,8 @@ class Settings:
     redis_username: str | None = None
     redis_password: str | None = None
     redis_ca_file: str | None = None
-    # gRPC listen address; port 0 picks a free port (the server reports the one it bound).
+    # gRPC listen address; port 0 picks a free port (the server reports the one it bound);
+    # unix:/path serves on a Unix socket, with no TCP port at all.
     listen: str = "127.0.0.1:50051"
     # Prometheus /metrics on this port; None turns it off, 0 picks a free port.
     metrics_port: int | None = None

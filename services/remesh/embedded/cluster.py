@@ -148,9 +148,16 @@ class Proc:
 class LocalCluster:
     """Starts and tracks the processes of one job."""
 
-    def __init__(self, tmp_path: Path, redis_url: str, job: str, *, secure: bool = True) -> None:
+    def __init__(
+        self, tmp_path: Path, redis_url: str, job: str, *, secure: bool = True, launcher: Sequence[str] = ()
+    ) -> None:
+        """``launcher``: a command every process of the job runs under, which must exec it (such as
+        ``nsenter --net=PATH --``: a network namespace of the caller's)."""
         self.tmp = tmp_path
         self.secure = secure
+        self.launcher = list(launcher)
+        # The coordinator's Unix socket (``start_coordinator(listen=...)``); "": it listens on TCP.
+        self.unix_address = ""
         self._pki: DevPki | None = None
         self.redis_url = redis_url
         self.job = job
@@ -165,7 +172,7 @@ class LocalCluster:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return self.unix_address or f"127.0.0.1:{self.port}"
 
     @property
     def pki(self) -> DevPki | None:
@@ -203,17 +210,21 @@ class LocalCluster:
         """A new channel to ``address`` (default: the coordinator) as identity ``role/name``."""
         return secure_channel(address or self.address, self.tls(role, name))
 
-    def start_coordinator(self, *extra: str, port: int = 0, env: dict[str, str] | None = None) -> Proc:
+    def start_coordinator(
+        self, *extra: str, port: int = 0, env: dict[str, str] | None = None, listen: str = ""
+    ) -> Proc:
+        """A coordinator on 127.0.0.1:``port`` (0: a free one), or on ``listen`` (``unix:/path``)."""
         port_file = self.tmp / f"coordinator-{len(self.procs)}.port"
         args = [
-            sys.executable, "-m", "remesh.cli", "coordinator",
+            *self.launcher, sys.executable, "-m", "remesh.cli", "coordinator",
             "--redis", self.redis_url, "--job", self.job,
-            "--listen", f"127.0.0.1:{port}", "--port-file", str(port_file), *extra,
+            "--listen", listen or f"127.0.0.1:{port}", "--port-file", str(port_file), *extra,
             *self._identity(extra, Role.COORDINATOR, f"coordinator-{len(self.procs)}"),
         ]  # fmt: skip
         name = f"coordinator-{len(self.procs)}"
         proc, self.port = self._serving("the coordinator", args, port_file, name, env)
         self.coordinator = proc
+        self.unix_address = listen if listen.startswith("unix:") else ""
         return proc
 
     def _serving(
@@ -233,7 +244,7 @@ class LocalCluster:
         name = name or f"relay-{len(self.procs)}"
         port_file = self.tmp / f"{name}.port"
         args = [
-            sys.executable, "-m", "remesh.cli", "relay",
+            *self.launcher, sys.executable, "-m", "remesh.cli", "relay",
             "--coordinator", ",".join(self.addresses) or self.address,
             "--listen", "127.0.0.1:0", "--port-file", str(port_file), *extra,
             *self._identity(extra, Role.COORDINATOR, name),
@@ -254,7 +265,7 @@ class LocalCluster:
             list(trainer) if trainer is not None else [sys.executable, "-m", "remesh.embedded.standin"]
         )
         args = [
-            sys.executable, "-m", "remesh.cli", "agent",
+            *self.launcher, sys.executable, "-m", "remesh.cli", "agent",
             "--coordinator", ",".join(self.addresses) or self.address, "--host-id", host_id, "--devices", "2", "--job", self.job,
             *(["--spare"] if spare else []), *extra, *self._identity(extra, Role.HOST, host_id),
             "--", *trainer_cmd,

