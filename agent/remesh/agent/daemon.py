@@ -146,6 +146,11 @@ class Agent:
         self._stall_reported = False
         # The newest epoch the trainer reported a step of: an older one's report arrives late.
         self._reported_epoch = 0
+        # The tiers a trainer said cannot keep its snapshots, each with the incarnation the
+        # coordinator was told of it for (or is being told): once per incarnation, however often
+        # the reports repeat it and whichever trainer process says it.
+        self._tiers_told: dict[str, int] = {}
+        self._telling: set[asyncio.Task[None]] = set()
         self.local_address = ""
         self.trainer: TrainerProcess | None = None
         self.warm: TrainerProcess | None = None
@@ -835,10 +840,17 @@ class Agent:
         if self.trainer is not None and epoch > self.trainer.epoch:
             self.trainer.epoch = epoch
 
-    def report_progress(self, step: int, epoch: int, totals: apb.TrainerTotals | None = None) -> int:
+    def report_progress(
+        self,
+        step: int,
+        epoch: int,
+        totals: apb.TrainerTotals | None = None,
+        tiers_missing: Mapping[str, str] | None = None,
+    ) -> int:
         self._trainer_runs(epoch)
         if totals is not None:
             self.metrics.trainer_totals(totals)
+        self._tiers_missing(epoch, tiers_missing or {})
         if epoch < self._reported_epoch:
             # Sent before a report of a newer epoch (a report waits up to progress_every_s): stale.
             return int(self.topology.epoch)
@@ -858,6 +870,57 @@ class Agent:
             # trainer has yet to join the new epoch, and its start-up clock keeps running.
         self.last_step = step
         return int(self.topology.epoch)
+
+    def _tiers_missing(self, epoch: int, missing: Mapping[str, str]) -> None:
+        """The trainer says these tiers cannot keep its snapshots (each with its last error):
+        published as metrics, and each tier told to the coordinator once per incarnation, in the
+        background (the trainer's report does not wait for it)."""
+        self.metrics.tiers_missing(missing)
+        for tier, error in missing.items():
+            if self._tiers_told.get(tier) == self.incarnation:
+                continue
+            self._tiers_told[tier] = self.incarnation
+            self.log.warning(
+                "the trainer's snapshots are not kept in a tier: kept in its process only (see its log)",
+                tier=tier,
+                error=error,
+                epoch=epoch,
+            )
+            task = asyncio.create_task(self._tell_tier_missing(self.incarnation, epoch, tier, error))
+            self._telling.add(task)
+            task.add_done_callback(self._telling.discard)
+
+    async def _tell_tier_missing(self, told_for: int, epoch: int, tier: str, error: str) -> None:
+        """Tell the coordinator, which records it in the job's event log (``told_for``: the
+        incarnation it is told for). A call that found no coordinator is made again with the
+        trainer's next report that names the tier."""
+
+        def report(stub: pb_grpc.CoordinatorStub, incarnation: int) -> Awaitable[pb.ReportFaultResponse]:
+            return stub.ReportFault(
+                pb.ReportFaultRequest(
+                    host_id=self.settings.host_id,
+                    incarnation=incarnation,
+                    kind=pb.FAULT_KIND_TIER_MISSING,
+                    epoch=epoch,
+                    tier=tier,
+                    detail=error,
+                ),
+                timeout=2,
+            )
+
+        try:
+            reply = await self._relay("ReportFault", report)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in _RELAY_AGAIN and self._tiers_told.get(tier) == told_for:
+                del self._tiers_told[tier]
+            self.log.warning(
+                "could not tell the coordinator a tier is missing",
+                tier=tier,
+                code=exc.code().name,
+                detail=exc.details(),
+            )
+            return
+        self.log.info("tier missing told to the coordinator", tier=tier, reason=reply.reason)
 
     async def _relay(
         self,

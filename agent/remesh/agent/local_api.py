@@ -36,7 +36,10 @@ class LocalApi(apb_grpc.AgentLocalServicer):
     ) -> apb.ReportProgressResponse:
         return apb.ReportProgressResponse(
             current_epoch=self._agent.report_progress(
-                request.step, request.epoch, request.totals if request.HasField("totals") else None
+                request.step,
+                request.epoch,
+                request.totals if request.HasField("totals") else None,
+                request.tiers_missing,
             )
         )
 

@@ -11,13 +11,17 @@ is the scrape job's, which Prometheus sets itself).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from remesh.v1 import agent_pb2 as apb
 
 __all__ = ["TOTALS", "AgentMetrics"]
+
+# Tiers a trainer may name in its metrics' labels: it has a few ("host-shm", "buddy"); the bound keeps
+# a confused trainer from growing the registry without end.
+_TIERS_LABELLED = 8
 
 # TrainerTotals field -> (metric name, help). Counters: their names end in _total once exposed.
 TOTALS: Mapping[str, tuple[str, str]] = {
@@ -138,6 +142,35 @@ class AgentMetrics:
             field: Counter(name, help_text, names, registry=r).labels(**labels)
             for field, (name, help_text) in TOTALS.items()
         }
+        self._snapshot_failures = Counter(
+            "remesh_trainer_snapshot_failures",
+            "Snapshots that could not be kept where they were meant to be, by tier (host-shm, buddy): "
+            "each was kept in the trainer process only",
+            [*names, "tier"],
+            registry=r,
+        )
+        self._tier_missing = Gauge(
+            "remesh_trainer_tier_missing",
+            "1 for each tier the running trainer says cannot keep its snapshots (they are kept in its "
+            "process only, and a trainer restarted on this host finds none)",
+            [*names, "tier"],
+            registry=r,
+        )
+        # Gauges, not totals: what the running trainer says now.
+        self.snapshot_every = Gauge(
+            "remesh_trainer_snapshot_every",
+            "Steps between host-memory snapshots the trainer's cadence asks for (0: none yet)",
+            names,
+            registry=r,
+        ).labels(**labels)
+        self.snapshot_every_kept = Gauge(
+            "remesh_trainer_snapshot_every_kept",
+            "Steps between the trainer's last two snapshots kept: more than asked where a snapshot "
+            "takes longer than the steps between them (the ones due meanwhile are skipped)",
+            names,
+            registry=r,
+        ).labels(**labels)
+        self._tiers: set[str] = set()  # the tier labels in use
         self._reported: dict[str, float] = {}  # the current trainer's totals as last reported
 
     def call(self, method: str, seconds: float) -> None:
@@ -153,6 +186,7 @@ class AgentMetrics:
         self.trainer_exits.labels(**self._labels, cause=cause).inc()
         if active:
             self._reported = {}  # the next trainer counts from zero again
+            self.tiers_missing(())  # and says for itself which tiers cannot keep its snapshots
 
     def trainer_totals(self, totals: apb.TrainerTotals) -> None:
         """Add what the trainer did since its last report (its totals run from its own start)."""
@@ -164,6 +198,30 @@ class AgentMetrics:
             if value > before:
                 counter.inc(value - before)
             self._reported[field] = value
+        self.snapshot_every.set(totals.snapshot_every)
+        self.snapshot_every_kept.set(totals.snapshot_every_kept)
+        for tier, count in totals.snapshot_failures.items():
+            if not self._labelled(tier):
+                continue
+            key = f"snapshot_failures/{tier}"
+            before = self._reported.get(key, 0.0)
+            if count < before:  # as above
+                before = 0.0
+            if count > before:
+                self._snapshot_failures.labels(**self._labels, tier=tier).inc(count - before)
+            self._reported[key] = float(count)
+
+    def tiers_missing(self, missing: Iterable[str]) -> None:
+        """The tiers the running trainer says cannot keep its snapshots (every other one can)."""
+        said = {tier for tier in missing if self._labelled(tier)}
+        for tier in self._tiers:
+            self._tier_missing.labels(**self._labels, tier=tier).set(1.0 if tier in said else 0.0)
+
+    def _labelled(self, tier: str) -> bool:
+        """Whether ``tier`` has (or now gets) a label: a bounded number of them."""
+        if tier not in self._tiers and len(self._tiers) < _TIERS_LABELLED:
+            self._tiers.add(tier)
+        return tier in self._tiers
 
     def restored(self, source: str, seconds: float | None, tiers: Mapping[str, int]) -> None:
         self.restores.labels(**self._labels, source=source or "unknown").inc()

@@ -36,6 +36,13 @@ def trainer_totals(stats: Mapping[str, float]) -> apb.TrainerTotals:
         checkpoint_save_seconds=float(stats.get("checkpoint_save_s", 0.0)),
         checkpoint_wait_seconds=float(stats.get("checkpoint_wait_s", 0.0)),
         peer_failures=int(stats.get("peer_failures", 0)),
+        snapshot_every=int(stats.get("snapshot_every", 0)),
+        snapshot_every_kept=int(stats.get("snapshot_every_kept", 0)),
+        snapshot_failures={
+            key.removeprefix(_FAILURES_OF): int(count)
+            for key, count in stats.items()
+            if key.startswith(_FAILURES_OF)
+        },
     )
 
 
@@ -127,6 +134,10 @@ class AgentClient:
         self._urgent = False
         self._progress_due = threading.Condition()
         self._reporter: threading.Thread | None = None
+        # The last report asked for (sent again to carry news of a tier when none is pending), and
+        # the tiers that cannot keep this process's snapshots, sent with every report.
+        self._last_asked: tuple[int, int, dict[str, float] | None] | None = None
+        self._tiers_missing: dict[str, str] = {}
 
     @classmethod
     def from_env(
@@ -215,7 +226,7 @@ class AgentClient:
         caller goes on counting)."""
         with self._progress_due:
             idle = self._progress is None
-            self._progress = (step, epoch, dict(totals) if totals is not None else None)
+            self._progress = self._last_asked = (step, epoch, dict(totals) if totals is not None else None)
             if idle or self._urgent:
                 # The reporter sleeps until there is a report, or until the interval is up with one
                 # pending (it sends the newest then): a step wakes it only where it must go now.
@@ -223,6 +234,17 @@ class AgentClient:
             if self._reporter is None:
                 self._reporter = threading.Thread(target=self._report, name="remesh-progress", daemon=True)
                 self._reporter.start()
+
+    def report_tiers_missing(self, missing: Mapping[str, str]) -> None:
+        """The tiers that cannot keep this process's snapshots, each with its last error: sent with
+        every progress report from now on (the agent tells the coordinator of each tier once).
+        Returns at once: the next progress report carries it, or where none is pending, the last one
+        again (a step reported twice changes nothing), so that news after the last step is heard too."""
+        with self._progress_due:
+            self._tiers_missing = {tier: _plain(error) for tier, error in missing.items()}
+            if self._progress is None and self._last_asked is not None:
+                self._progress = self._last_asked
+                self._progress_due.notify_all()
 
     def flush_progress(self, timeout: float = 10.0) -> bool:
         """Wait until every progress report asked for has been sent (or tried); False on timeout."""
@@ -318,12 +340,9 @@ class AgentClient:
         after ``step`` steps, and this trainer waits for the next epoch. Best effort: without it the
         coordinator still replaces a lost member; only a failure with every member alive waits
         longer for its new epoch."""
-        line = detail.splitlines()[0] if detail else ""
-        # Plain text within the coordinator's bound on a detail.
-        line = "".join(c if c.isprintable() else " " for c in line)[:_DETAIL_CHARS]
         try:
             self._stub.ReportCollectiveFailure(
-                apb.LocalCollectiveFailureRequest(epoch=epoch, step=step, detail=line), timeout=5
+                apb.LocalCollectiveFailureRequest(epoch=epoch, step=step, detail=_plain(detail)), timeout=5
             )
         except grpc.RpcError as exc:
             log.warning(

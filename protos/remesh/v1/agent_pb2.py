@@ -25,13 +25,17 @@ _sym_db = _symbol_database.Default()
 from remesh.v1 import coordinator_pb2 as remesh_dot_v1_dot_coordinator__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15remesh/v1/agent.proto\x12\tremesh.v1\x1a\x1bremesh/v1/coordinator.proto\"f\n\nAssignment\x12%\n\x08topology\x18\x01 \x01(\x0b\x32\x13.remesh.v1.Topology\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\"<\n\x17WatchAssignmentsRequest\x12\x13\n\x0b\x61\x66ter_epoch\x18\x01 \x01(\x03\x12\x0c\n\x04slot\x18\x02 \x01(\x05\"^\n\x15ReportProgressRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12(\n\x06totals\x18\x03 \x01(\x0b\x32\x18.remesh.v1.TrainerTotals\"\x81\x02\n\rTrainerTotals\x12\r\n\x05steps\x18\x01 \x01(\x03\x12\x14\n\x0cstep_seconds\x18\x02 \x01(\x01\x12\x11\n\tsnapshots\x18\x03 \x01(\x03\x12\x18\n\x10snapshot_seconds\x18\x04 \x01(\x01\x12\x16\n\x0esnapshot_bytes\x18\x05 \x01(\x03\x12\x13\n\x0b\x63heckpoints\x18\x06 \x01(\x03\x12\x1f\n\x17\x63heckpoint_save_seconds\x18\x07 \x01(\x01\x12\x1f\n\x17\x63heckpoint_wait_seconds\x18\x08 \x01(\x01\x12\x15\n\rpeer_failures\x18\t \x01(\x03\x12\x18\n\x10\x63heckpoint_bytes\x18\n \x01(\x03\"/\n\x16ReportProgressResponse\x12\x15\n\rcurrent_epoch\x18\x01 \x01(\x03\"\xc9\x02\n\x0fLocalAckRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x15\n\rrestored_step\x18\x02 \x01(\x03\x12\x16\n\x0erestore_source\x18\x03 \x01(\t\x12\x36\n\x06phases\x18\x04 \x03(\x0b\x32&.remesh.v1.LocalAckRequest.PhasesEntry\x12\x45\n\x0erestored_bytes\x18\x05 \x03(\x0b\x32-.remesh.v1.LocalAckRequest.RestoredBytesEntry\x12\x14\n\x0creached_step\x18\x06 \x01(\x03\x1a-\n\x0bPhasesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x34\n\x12RestoredBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\" \n\x10LocalAckResponse\x12\x0c\n\x04live\x18\x01 \x01(\x08\"?\n\x12LocalCommitRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04tier\x18\x03 \x01(\t\"\x15\n\x13LocalCommitResponse\"C\n\x11LocalStallRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x11\n\tblocked_s\x18\x03 \x01(\x01\"\x14\n\x12LocalStallResponse\"L\n\x1dLocalCollectiveFailureRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\" \n\x1eLocalCollectiveFailureResponse\"1\n\x12LocalFinishRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\"\x15\n\x13LocalFinishResponse2\xd1\x04\n\nAgentLocal\x12O\n\x10WatchAssignments\x12\".remesh.v1.WatchAssignmentsRequest\x1a\x15.remesh.v1.Assignment0\x01\x12U\n\x0eReportProgress\x12 .remesh.v1.ReportProgressRequest\x1a!.remesh.v1.ReportProgressResponse\x12\x43\n\x08\x41\x63kEpoch\x12\x1a.remesh.v1.LocalAckRequest\x1a\x1b.remesh.v1.LocalAckResponse\x12Q\n\x10\x43ommitCheckpoint\x12\x1d.remesh.v1.LocalCommitRequest\x1a\x1e.remesh.v1.LocalCommitResponse\x12J\n\x0bReportStall\x12\x1c.remesh.v1.LocalStallRequest\x1a\x1d.remesh.v1.LocalStallResponse\x12n\n\x17ReportCollectiveFailure\x12(.remesh.v1.LocalCollectiveFailureRequest\x1a).remesh.v1.LocalCollectiveFailureResponse\x12G\n\x06\x46inish\x12\x1d.remesh.v1.LocalFinishRequest\x1a\x1e.remesh.v1.LocalFinishResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15remesh/v1/agent.proto\x12\tremesh.v1\x1a\x1bremesh/v1/coordinator.proto\"f\n\nAssignment\x12%\n\x08topology\x18\x01 \x01(\x0b\x32\x13.remesh.v1.Topology\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\"<\n\x17WatchAssignmentsRequest\x12\x13\n\x0b\x61\x66ter_epoch\x18\x01 \x01(\x03\x12\x0c\n\x04slot\x18\x02 \x01(\x05\"\xde\x01\n\x15ReportProgressRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12(\n\x06totals\x18\x03 \x01(\x0b\x32\x18.remesh.v1.TrainerTotals\x12I\n\rtiers_missing\x18\x04 \x03(\x0b\x32\x32.remesh.v1.ReportProgressRequest.TiersMissingEntry\x1a\x33\n\x11TiersMissingEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xba\x03\n\rTrainerTotals\x12\r\n\x05steps\x18\x01 \x01(\x03\x12\x14\n\x0cstep_seconds\x18\x02 \x01(\x01\x12\x11\n\tsnapshots\x18\x03 \x01(\x03\x12\x18\n\x10snapshot_seconds\x18\x04 \x01(\x01\x12\x16\n\x0esnapshot_bytes\x18\x05 \x01(\x03\x12\x13\n\x0b\x63heckpoints\x18\x06 \x01(\x03\x12\x1f\n\x17\x63heckpoint_save_seconds\x18\x07 \x01(\x01\x12\x1f\n\x17\x63heckpoint_wait_seconds\x18\x08 \x01(\x01\x12\x15\n\rpeer_failures\x18\t \x01(\x03\x12\x18\n\x10\x63heckpoint_bytes\x18\n \x01(\x03\x12I\n\x11snapshot_failures\x18\x0b \x03(\x0b\x32..remesh.v1.TrainerTotals.SnapshotFailuresEntry\x12\x16\n\x0esnapshot_every\x18\x0c \x01(\x03\x12\x1b\n\x13snapshot_every_kept\x18\r \x01(\x03\x1a\x37\n\x15SnapshotFailuresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"/\n\x16ReportProgressResponse\x12\x15\n\rcurrent_epoch\x18\x01 \x01(\x03\"\xc9\x02\n\x0fLocalAckRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x15\n\rrestored_step\x18\x02 \x01(\x03\x12\x16\n\x0erestore_source\x18\x03 \x01(\t\x12\x36\n\x06phases\x18\x04 \x03(\x0b\x32&.remesh.v1.LocalAckRequest.PhasesEntry\x12\x45\n\x0erestored_bytes\x18\x05 \x03(\x0b\x32-.remesh.v1.LocalAckRequest.RestoredBytesEntry\x12\x14\n\x0creached_step\x18\x06 \x01(\x03\x1a-\n\x0bPhasesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x34\n\x12RestoredBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\" \n\x10LocalAckResponse\x12\x0c\n\x04live\x18\x01 \x01(\x08\"?\n\x12LocalCommitRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04tier\x18\x03 \x01(\t\"\x15\n\x13LocalCommitResponse\"C\n\x11LocalStallRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x11\n\tblocked_s\x18\x03 \x01(\x01\"\x14\n\x12LocalStallResponse\"L\n\x1dLocalCollectiveFailureRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\" \n\x1eLocalCollectiveFailureResponse\"1\n\x12LocalFinishRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\"\x15\n\x13LocalFinishResponse2\xd1\x04\n\nAgentLocal\x12O\n\x10WatchAssignments\x12\".remesh.v1.WatchAssignmentsRequest\x1a\x15.remesh.v1.Assignment0\x01\x12U\n\x0eReportProgress\x12 .remesh.v1.ReportProgressRequest\x1a!.remesh.v1.ReportProgressResponse\x12\x43\n\x08\x41\x63kEpoch\x12\x1a.remesh.v1.LocalAckRequest\x1a\x1b.remesh.v1.LocalAckResponse\x12Q\n\x10\x43ommitCheckpoint\x12\x1d.remesh.v1.LocalCommitRequest\x1a\x1e.remesh.v1.LocalCommitResponse\x12J\n\x0bReportStall\x12\x1c.remesh.v1.LocalStallRequest\x1a\x1d.remesh.v1.LocalStallResponse\x12n\n\x17ReportCollectiveFailure\x12(.remesh.v1.LocalCollectiveFailureRequest\x1a).remesh.v1.LocalCollectiveFailureResponse\x12G\n\x06\x46inish\x12\x1d.remesh.v1.LocalFinishRequest\x1a\x1e.remesh.v1.LocalFinishResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'remesh.v1.agent_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_REPORTPROGRESSREQUEST_TIERSMISSINGENTRY']._loaded_options = None
+  _globals['_REPORTPROGRESSREQUEST_TIERSMISSINGENTRY']._serialized_options = b'8\001'
+  _globals['_TRAINERTOTALS_SNAPSHOTFAILURESENTRY']._loaded_options = None
+  _globals['_TRAINERTOTALS_SNAPSHOTFAILURESENTRY']._serialized_options = b'8\001'
   _globals['_LOCALACKREQUEST_PHASESENTRY']._loaded_options = None
   _globals['_LOCALACKREQUEST_PHASESENTRY']._serialized_options = b'8\001'
   _globals['_LOCALACKREQUEST_RESTOREDBYTESENTRY']._loaded_options = None
@@ -40,36 +44,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ASSIGNMENT']._serialized_end=167
   _globals['_WATCHASSIGNMENTSREQUEST']._serialized_start=169
   _globals['_WATCHASSIGNMENTSREQUEST']._serialized_end=229
-  _globals['_REPORTPROGRESSREQUEST']._serialized_start=231
-  _globals['_REPORTPROGRESSREQUEST']._serialized_end=325
-  _globals['_TRAINERTOTALS']._serialized_start=328
-  _globals['_TRAINERTOTALS']._serialized_end=585
-  _globals['_REPORTPROGRESSRESPONSE']._serialized_start=587
-  _globals['_REPORTPROGRESSRESPONSE']._serialized_end=634
-  _globals['_LOCALACKREQUEST']._serialized_start=637
-  _globals['_LOCALACKREQUEST']._serialized_end=966
-  _globals['_LOCALACKREQUEST_PHASESENTRY']._serialized_start=867
-  _globals['_LOCALACKREQUEST_PHASESENTRY']._serialized_end=912
-  _globals['_LOCALACKREQUEST_RESTOREDBYTESENTRY']._serialized_start=914
-  _globals['_LOCALACKREQUEST_RESTOREDBYTESENTRY']._serialized_end=966
-  _globals['_LOCALACKRESPONSE']._serialized_start=968
-  _globals['_LOCALACKRESPONSE']._serialized_end=1000
-  _globals['_LOCALCOMMITREQUEST']._serialized_start=1002
-  _globals['_LOCALCOMMITREQUEST']._serialized_end=1065
-  _globals['_LOCALCOMMITRESPONSE']._serialized_start=1067
-  _globals['_LOCALCOMMITRESPONSE']._serialized_end=1088
-  _globals['_LOCALSTALLREQUEST']._serialized_start=1090
-  _globals['_LOCALSTALLREQUEST']._serialized_end=1157
-  _globals['_LOCALSTALLRESPONSE']._serialized_start=1159
-  _globals['_LOCALSTALLRESPONSE']._serialized_end=1179
-  _globals['_LOCALCOLLECTIVEFAILUREREQUEST']._serialized_start=1181
-  _globals['_LOCALCOLLECTIVEFAILUREREQUEST']._serialized_end=1257
-  _globals['_LOCALCOLLECTIVEFAILURERESPONSE']._serialized_start=1259
-  _globals['_LOCALCOLLECTIVEFAILURERESPONSE']._serialized_end=1291
-  _globals['_LOCALFINISHREQUEST']._serialized_start=1293
-  _globals['_LOCALFINISHREQUEST']._serialized_end=1342
-  _globals['_LOCALFINISHRESPONSE']._serialized_start=1344
-  _globals['_LOCALFINISHRESPONSE']._serialized_end=1365
-  _globals['_AGENTLOCAL']._serialized_start=1368
-  _globals['_AGENTLOCAL']._serialized_end=1961
+  _globals['_REPORTPROGRESSREQUEST']._serialized_start=232
+  _globals['_REPORTPROGRESSREQUEST']._serialized_end=454
+  _globals['_REPORTPROGRESSREQUEST_TIERSMISSINGENTRY']._serialized_start=403
+  _globals['_REPORTPROGRESSREQUEST_TIERSMISSINGENTRY']._serialized_end=454
+  _globals['_TRAINERTOTALS']._serialized_start=457
+  _globals['_TRAINERTOTALS']._serialized_end=899
+  _globals['_TRAINERTOTALS_SNAPSHOTFAILURESENTRY']._serialized_start=844
+  _globals['_TRAINERTOTALS_SNAPSHOTFAILURESENTRY']._serialized_end=899
+  _globals['_REPORTPROGRESSRESPONSE']._serialized_start=901
+  _globals['_REPORTPROGRESSRESPONSE']._serialized_end=948
+  _globals['_LOCALACKREQUEST']._serialized_start=951
+  _globals['_LOCALACKREQUEST']._serialized_end=1280
+  _globals['_LOCALACKREQUEST_PHASESENTRY']._serialized_start=1181
+  _globals['_LOCALACKREQUEST_PHASESENTRY']._serialized_end=1226
+  _globals['_LOCALACKREQUEST_RESTOREDBYTESENTRY']._serialized_start=1228
+  _globals['_LOCALACKREQUEST_RESTOREDBYTESENTRY']._serialized_end=1280
+  _globals['_LOCALACKRESPONSE']._serialized_start=1282
+  _globals['_LOCALACKRESPONSE']._serialized_end=1314
+  _globals['_LOCALCOMMITREQUEST']._serialized_start=1316
+  _globals['_LOCALCOMMITREQUEST']._serialized_end=1379
+  _globals['_LOCALCOMMITRESPONSE']._serialized_start=1381
+  _globals['_LOCALCOMMITRESPONSE']._serialized_end=1402
+  _globals['_LOCALSTALLREQUEST']._serialized_start=1404
+  _globals['_LOCALSTALLREQUEST']._serialized_end=1471
+  _globals['_LOCALSTALLRESPONSE']._serialized_start=1473
+  _globals['_LOCALSTALLRESPONSE']._serialized_end=1493
+  _globals['_LOCALCOLLECTIVEFAILUREREQUEST']._serialized_start=1495
+  _globals['_LOCALCOLLECTIVEFAILUREREQUEST']._serialized_end=1571
+  _globals['_LOCALCOLLECTIVEFAILURERESPONSE']._serialized_start=1573
+  _globals['_LOCALCOLLECTIVEFAILURERESPONSE']._serialized_end=1605
+  _globals['_LOCALFINISHREQUEST']._serialized_start=1607
+  _globals['_LOCALFINISHREQUEST']._serialized_end=1656
+  _globals['_LOCALFINISHRESPONSE']._serialized_start=1658
+  _globals['_LOCALFINISHRESPONSE']._serialized_end=1679
+  _globals['_AGENTLOCAL']._serialized_start=1682
+  _globals['_AGENTLOCAL']._serialized_end=2275
 # @@protoc_insertion_point(module_scope)

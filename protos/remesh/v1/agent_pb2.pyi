@@ -28,17 +28,33 @@ class WatchAssignmentsRequest(_message.Message):
     def __init__(self, after_epoch: _Optional[int] = ..., slot: _Optional[int] = ...) -> None: ...
 
 class ReportProgressRequest(_message.Message):
-    __slots__ = ("step", "epoch", "totals")
+    __slots__ = ("step", "epoch", "totals", "tiers_missing")
+    class TiersMissingEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     STEP_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TOTALS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_MISSING_FIELD_NUMBER: _ClassVar[int]
     step: int
     epoch: int
     totals: TrainerTotals
-    def __init__(self, step: _Optional[int] = ..., epoch: _Optional[int] = ..., totals: _Optional[_Union[TrainerTotals, _Mapping]] = ...) -> None: ...
+    tiers_missing: _containers.ScalarMap[str, str]
+    def __init__(self, step: _Optional[int] = ..., epoch: _Optional[int] = ..., totals: _Optional[_Union[TrainerTotals, _Mapping]] = ..., tiers_missing: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class TrainerTotals(_message.Message):
-    __slots__ = ("steps", "step_seconds", "snapshots", "snapshot_seconds", "snapshot_bytes", "checkpoints", "checkpoint_save_seconds", "checkpoint_wait_seconds", "peer_failures", "checkpoint_bytes")
+    __slots__ = ("steps", "step_seconds", "snapshots", "snapshot_seconds", "snapshot_bytes", "checkpoints", "checkpoint_save_seconds", "checkpoint_wait_seconds", "peer_failures", "checkpoint_bytes", "snapshot_failures", "snapshot_every", "snapshot_every_kept")
+    class SnapshotFailuresEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     STEPS_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +65,9 @@ class TrainerTotals(_message.Message):
     CHECKPOINT_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PEER_FAILURES_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_EVERY_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_EVERY_KEPT_FIELD_NUMBER: _ClassVar[int]
     steps: int
     step_seconds: float
     snapshots: int
@@ -59,7 +78,10 @@ class TrainerTotals(_message.Message):
     checkpoint_wait_seconds: float
     peer_failures: int
     checkpoint_bytes: int
-    def __init__(self, steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., snapshots: _Optional[int] = ..., snapshot_seconds: _Optional[float] = ..., snapshot_bytes: _Optional[int] = ..., checkpoints: _Optional[int] = ..., checkpoint_save_seconds: _Optional[float] = ..., checkpoint_wait_seconds: _Optional[float] = ..., peer_failures: _Optional[int] = ..., checkpoint_bytes: _Optional[int] = ...) -> None: ...
+    snapshot_failures: _containers.ScalarMap[str, int]
+    snapshot_every: int
+    snapshot_every_kept: int
+    def __init__(self, steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., snapshots: _Optional[int] = ..., snapshot_seconds: _Optional[float] = ..., snapshot_bytes: _Optional[int] = ..., checkpoints: _Optional[int] = ..., checkpoint_save_seconds: _Optional[float] = ..., checkpoint_wait_seconds: _Optional[float] = ..., peer_failures: _Optional[int] = ..., checkpoint_bytes: _Optional[int] = ..., snapshot_failures: _Optional[_Mapping[str, int]] = ..., snapshot_every: _Optional[int] = ..., snapshot_every_kept: _Optional[int] = ...) -> None: ...
 
 class ReportProgressResponse(_message.Message):
     __slots__ = ("current_epoch",)

@@ -44,6 +44,7 @@ class EventType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EVENT_TYPE_JOB_FINISHED: _ClassVar[EventType]
     EVENT_TYPE_MEMBER_FORGOTTEN: _ClassVar[EventType]
     EVENT_TYPE_LOG_COMPACTED: _ClassVar[EventType]
+    EVENT_TYPE_TIER_MISSING: _ClassVar[EventType]
 
 class TrainerStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -70,6 +71,7 @@ class FaultKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAULT_KIND_STALLED: _ClassVar[FaultKind]
     FAULT_KIND_STATE_LOST: _ClassVar[FaultKind]
     FAULT_KIND_COLLECTIVE_FAILED: _ClassVar[FaultKind]
+    FAULT_KIND_TIER_MISSING: _ClassVar[FaultKind]
 ROLE_UNSPECIFIED: Role
 ROLE_ACTIVE: Role
 ROLE_SPARE: Role
@@ -99,6 +101,7 @@ EVENT_TYPE_CHECKPOINT_COMMITTED: EventType
 EVENT_TYPE_JOB_FINISHED: EventType
 EVENT_TYPE_MEMBER_FORGOTTEN: EventType
 EVENT_TYPE_LOG_COMPACTED: EventType
+EVENT_TYPE_TIER_MISSING: EventType
 TRAINER_STATUS_UNSPECIFIED: TrainerStatus
 TRAINER_STATUS_NOT_STARTED: TrainerStatus
 TRAINER_STATUS_RUNNING: TrainerStatus
@@ -116,6 +119,7 @@ FAULT_KIND_ADDRESS_IN_USE: FaultKind
 FAULT_KIND_STALLED: FaultKind
 FAULT_KIND_STATE_LOST: FaultKind
 FAULT_KIND_COLLECTIVE_FAILED: FaultKind
+FAULT_KIND_TIER_MISSING: FaultKind
 
 class Member(_message.Message):
     __slots__ = ("host_id", "incarnation", "role", "state", "device_count", "address", "rank", "reason", "updated_at", "last_step")
@@ -417,7 +421,7 @@ class AckEpochResponse(_message.Message):
     def __init__(self, live: _Optional[bool] = ...) -> None: ...
 
 class ReportFaultRequest(_message.Message):
-    __slots__ = ("host_id", "incarnation", "kind", "epoch", "exit_code", "detail", "step")
+    __slots__ = ("host_id", "incarnation", "kind", "epoch", "exit_code", "detail", "step", "tier")
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -425,6 +429,7 @@ class ReportFaultRequest(_message.Message):
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     host_id: str
     incarnation: int
     kind: FaultKind
@@ -432,7 +437,8 @@ class ReportFaultRequest(_message.Message):
     exit_code: int
     detail: str
     step: int
-    def __init__(self, host_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., kind: _Optional[_Union[FaultKind, str]] = ..., epoch: _Optional[int] = ..., exit_code: _Optional[int] = ..., detail: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+    tier: str
+    def __init__(self, host_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., kind: _Optional[_Union[FaultKind, str]] = ..., epoch: _Optional[int] = ..., exit_code: _Optional[int] = ..., detail: _Optional[str] = ..., step: _Optional[int] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class ReportFaultResponse(_message.Message):
     __slots__ = ("member_dead", "reason")

@@ -59,6 +59,8 @@ _EVENT_STYLE = {
     "job_halted": "bold red",
     "checkpoint_committed": "green",
     "job_finished": "bold green",
+    # A tier that cannot keep a host's snapshots: nothing is acted on, but the host runs without it.
+    "tier_missing": "red",
 }
 
 

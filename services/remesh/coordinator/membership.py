@@ -19,6 +19,7 @@ import json
 import math
 import re
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 
 from remesh.coordinator.errors import InvalidRequest, JobFinished, NotFound, Rejected, ResourceExhausted
@@ -34,6 +35,7 @@ from remesh.coordinator.model import (
 )
 
 __all__ = [
+    "TIERS_NOTED",
     "FaultKind",
     "FaultOutcome",
     "ack_epoch",
@@ -48,6 +50,7 @@ __all__ = [
     "leave",
     "register",
     "report_fault",
+    "tier_missing",
     "validate_host_id",
 ]
 
@@ -67,6 +70,9 @@ _MAX_PHASES = 32
 _QUOTED_REASON = 200
 # A checkpoint tier's name ("local", "gcs"): it lands in events and logs.
 _TIER = re.compile(r"[a-z][a-z0-9_-]{0,31}")
+# Tiers one member incarnation may say cannot keep its snapshots, each recorded once (``tier_missing``):
+# a trainer has a few ("host-shm", "buddy"); the bound holds a host naming a new one in every report.
+TIERS_NOTED = 8
 
 
 class FaultKind(enum.StrEnum):
@@ -479,6 +485,57 @@ def _fault_event(
         incarnation=incarnation,
         details=details.encode(),
     )
+
+
+def tier_missing(
+    now: float,
+    state: ClusterState,
+    host_id: str,
+    incarnation: int,
+    epoch: int,
+    tier: str,
+    detail: str,
+    noted: AbstractSet[str],
+    max_length: int = 128,
+) -> tuple[list[Event], str]:
+    """A member's trainer says ``tier`` cannot keep its snapshots (``detail``: the error): they are
+    kept in its process only. An observation for operators, never a fault: nobody is suspected,
+    nothing is planned, and the event folds to no change. Recorded (TIER_MISSING) the first time
+    this member incarnation says it of ``tier``; ``noted`` is the tiers recorded for it already, so
+    a host repeating itself, or naming tier after tier, adds at most ``TIERS_NOTED`` events per
+    incarnation. Returns the events and the reason."""
+    current_member(state, host_id, incarnation, max_length)
+    if not _TIER.fullmatch(tier):
+        raise InvalidRequest(f"tier {tier[:40]!r} is not a short lowercase name like 'host-shm' or 'buddy'")
+    _text("detail", detail)
+    if epoch < 0:
+        raise InvalidRequest(f"epoch {epoch} is negative")
+    if epoch > state.epoch:
+        raise InvalidRequest(f"epoch {epoch} was never published (current {state.epoch})")
+    if state.finished:
+        return [], f"the job finished at step {state.finished_step}: {tier} on {host_id} keeps nothing more"
+    if tier in noted:
+        return [], f"{tier} missing on {host_id} incarnation {incarnation}: recorded already"
+    if len(noted) >= TIERS_NOTED:
+        return [], (
+            f"{tier} missing on {host_id} not recorded: incarnation {incarnation} named {len(noted)} "
+            f"missing tiers already, the limit"
+        )
+    reason = (
+        f"{tier} cannot keep {host_id}'s snapshots ({detail or 'no detail'}): they are kept in its "
+        "trainer process only, and a trainer restarted there finds none"
+    )
+    details = {"tier": tier, "detail": detail, "epoch": str(epoch)}
+    event = Event(
+        EventType.TIER_MISSING,
+        now,
+        state.epoch,
+        reason,
+        host_id=host_id,
+        incarnation=incarnation,
+        details=details,
+    )
+    return [event], reason
 
 
 def ack_epoch(

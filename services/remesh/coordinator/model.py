@@ -133,6 +133,9 @@ class EventType(enum.StrEnum):
     # The log was cut: this event carries the whole state (details "state"), and the events before
     # it are gone. Replay starts from it: replay(log) is still the live state.
     LOG_COMPACTED = "log_compacted"
+    # A member's trainer said a tier cannot keep its snapshots (details: tier, detail, epoch). For
+    # operators only: it carries no record and folds to no change.
+    TIER_MISSING = "tier_missing"
 
 
 @dataclass(frozen=True)

@@ -582,6 +582,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def ReportFault(
         self, request: pb.ReportFaultRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReportFaultResponse:
+        if request.kind == pb.FAULT_KIND_TIER_MISSING:
+            # Not a fault: a trainer's observation riding this call until trainer observations have
+            # an RPC of their own. Recorded for operators, never weighed against the host.
+            noted = self._c.report_tier_missing(
+                request.host_id, request.incarnation, request.epoch, request.tier, request.detail
+            )
+            return pb.ReportFaultResponse(member_dead=False, reason=await _answer(context, noted))
         kind = _FAULT.get(request.kind)
         if kind is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown fault kind {request.kind}")

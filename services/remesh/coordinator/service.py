@@ -163,7 +163,7 @@ class _Queued:
 
 # Events that change nothing the planner reads (members, topology, faults, commits, the finish):
 # a commit of only these after a settled plan is not planned again.
-_PLAN_NEUTRAL = frozenset({EventType.EPOCH_ACKED, EventType.EPOCH_LIVE})
+_PLAN_NEUTRAL = frozenset({EventType.EPOCH_ACKED, EventType.EPOCH_LIVE, EventType.TIER_MISSING})
 
 
 class Coordinator:
@@ -195,6 +195,11 @@ class Coordinator:
         # The re-forms in a row whose epochs completed no step, and the restore step of the last one.
         self._futile_reforms = 0
         self._reformed_at_step: int | None = None
+        # The tiers each member incarnation's trainer said cannot keep its snapshots, as recorded
+        # (TIER_MISSING, ``membership.tier_missing``): host -> (incarnation, tiers). What bounds those
+        # events to one per member incarnation and tier. In memory like the stalls: the agent says it
+        # once, so a new leader hears it again only from a new incarnation.
+        self._tiers_noted: dict[str, tuple[int, frozenset[str]]] = {}
         # Every open heartbeat stream of each host, oldest first: an agent that reconnects has two for
         # a moment, and a second stream (a reconnect, or anyone with the incarnation) ending says
         # nothing about the host while another one still carries its heartbeats.
@@ -459,9 +464,12 @@ class Coordinator:
                 reason=event.reason,
                 **_recovery_of(self.settings.job_id, event),
             )
+            if event.type is EventType.TIER_MISSING:
+                noted = self._noted_tiers(event.host_id, event.incarnation) | {event.details["tier"]}
+                self._tiers_noted[event.host_id] = (event.incarnation, noted)
             if event.type is EventType.MEMBER_FORGOTTEN:
                 self._liveness.pop(event.host_id)
-                for table in (self._steps, self._dirty_steps, self._stalls):
+                for table in (self._steps, self._dirty_steps, self._stalls, self._tiers_noted):
                     table.pop(event.host_id, None)
                 self._idle.discard(event.host_id)
                 self._finishing.discard(event.host_id)
@@ -978,6 +986,26 @@ class Coordinator:
             self._stalls[host_id] = Stall(epoch, step, self._clock())
             log.info("trainer blocked", host=host_id, epoch=epoch, step=step)
         return f"{host_id} blocked in epoch {epoch} after step {step}: noted"
+
+    async def report_tier_missing(
+        self, host_id: str, incarnation: int, epoch: int, tier: str, detail: str
+    ) -> str:
+        """A member's trainer says ``tier`` cannot keep its snapshots: recorded once per member
+        incarnation and tier (``membership.tier_missing``), never acted on. Returns the reason."""
+
+        def transition(s: ClusterState, now: float) -> tuple[list[Event], str]:
+            noted = self._noted_tiers(host_id, incarnation)
+            return membership.tier_missing(
+                now, s, host_id, incarnation, epoch, tier, detail, noted, self._max_id
+            )
+
+        _, reason = await self._change_with(transition)
+        return reason
+
+    def _noted_tiers(self, host_id: str, incarnation: int) -> frozenset[str]:
+        """The tiers recorded missing for this member incarnation (``_tiers_noted``)."""
+        noted = self._tiers_noted.get(host_id)
+        return noted[1] if noted is not None and noted[0] == incarnation else frozenset()
 
     def member_step(self, host_id: str) -> int:
         return self._steps.get(host_id, -1)
