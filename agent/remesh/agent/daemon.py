@@ -44,6 +44,7 @@ from remesh.agent.connection import CoordinatorLink, StreamAcks, StreamClosed, l
 from remesh.agent.core import AgentState, Decision, Do, Fault
 from remesh.agent.local_api import LocalApi
 from remesh.agent.metrics import AgentMetrics
+from remesh.agent.pauses import Pauses
 from remesh.agent.settings import AgentSettings
 from remesh.agent.supervisor import Role, Run, TrainerProcess
 from remesh.v1 import agent_pb2 as apb
@@ -161,6 +162,9 @@ class Agent:
         self.state = AgentState()
         self._starting = asyncio.Lock()
         self.metrics = AgentMetrics(settings.host_id, settings.job_id)
+        # When this process itself did not run: silence that fell into such a pause is not the
+        # coordinator's (remesh.agent.pauses).
+        self.pauses = Pauses()
         # Read when scraped (another thread): a warm standby is ready while its process runs.
         self.metrics.standby_ready.set_function(lambda: float(self.warm is not None and self.warm.running()))
         self.metrics.cut_off_seconds.set_function(self._cut_off_for)
@@ -215,6 +219,7 @@ class Agent:
             tls=self.settings.tls is not None,
         )
         lease = asyncio.create_task(self._lease_watch(), name="lease")
+        pauses = asyncio.create_task(self.pauses.run(), name="pauses")
         try:
             while not self._stopping.is_set():
                 try:
@@ -262,6 +267,7 @@ class Agent:
             return exc.code
         finally:
             lease.cancel()
+            pauses.cancel()
             await self._stop_trainer("agent stopping", warm_too=True)
             await local.stop(0.2)
             await self.link.close(rotate=False)
@@ -449,13 +455,26 @@ class Agent:
         # The topology this stream sent last: a delta on it is a difference from that one.
         held: pb.Topology | None = None
         while True:
-            try:
-                message = await asyncio.wait_for(call.read(), silence)
-            except TimeoutError:
+            reading = asyncio.ensure_future(call.read())
+            window = time.monotonic()
+            while not (await asyncio.wait({reading}, timeout=silence))[0]:
+                now = time.monotonic()
+                paused = self.pauses.since(window, now)
+                if paused > 0:
+                    # This process did not run for part of the window (the machine stalled): what
+                    # the coordinator sent may be waiting unread. A fresh window, not a lost stream.
+                    self.log.info(
+                        "the agent itself was paused; the coordinator's silence is not counted",
+                        paused_s=round(paused, 3),
+                    )
+                    window = now
+                    continue
+                reading.cancel()
                 call.cancel()
                 raise _StreamEnded(
                     f"the coordinator at {self.link.address} sent nothing for {silence}s (not even a keepalive)"
-                ) from None
+                )
+            message = reading.result()
             if message is _EOF:
                 break
             assert isinstance(message, pb.HeartbeatResponse)
@@ -528,9 +547,12 @@ class Agent:
         while True:
             await asyncio.sleep(min(0.1, lease_s / 4))
             trainer = self.trainer
+            now, lost_at = time.monotonic(), self.state.lost_at
             decision = core.lease_lost(
                 self.state,
-                now=time.monotonic(),
+                # A pause of this whole process is no time spent cut off: the coordinator was not
+                # given the chance to answer.
+                now=now - (self.pauses.since(lost_at, now) if lost_at is not None else 0.0),
                 lease_s=lease_s,
                 running=trainer is not None and trainer.running(),
                 ranked=self._rank(self.topology) >= 0,
