@@ -12,6 +12,7 @@ from remesh.elastic.cadence import (
     FIRST_EVERY,
     LEAST_EVERY,
     Cadence,
+    fitting_every,
     parse_every,
     young_daly_every,
 )
@@ -126,3 +127,78 @@ def test_a_command_line_interval_is_a_number_or_auto() -> None:
     assert parse_every("auto") == "auto" and parse_every("7") == 7
     with pytest.raises(ValueError, match='number of steps or "auto"'):
         parse_every("sometimes")
+
+
+def test_a_snapshot_fits_in_more_steps_than_it_takes() -> None:
+    """One snapshot at a time: the next one due must come after the last was kept, so more than
+    its seconds must pass between them (at least ceil(seconds / step))."""
+    assert fitting_every(1.9, 0.064) == 30 == math.ceil(1.9 / 0.064)  # 29.7 steps' worth
+    assert fitting_every(1.0, 0.125) == 9  # exactly 8 steps: the 8th is due as it ends
+    assert fitting_every(0.01, 0.064) == 1
+    assert fitting_every(0.0, 0.5) == 1
+    with pytest.raises(ValueError, match="positive time"):
+        fitting_every(1.0, 0.0)
+
+
+def test_an_automatic_cadence_whose_cost_is_unknown_still_moves_to_an_interval_snapshots_fit_in() -> None:
+    """Steps beside a snapshot no slower than the others, within their noise (a DMA beside the
+    compute): the cost is unknown, which once kept K at 5, however long a snapshot took. A snapshot
+    that takes 30 steps' time is proposed an interval it fits in."""
+    cadence = Cadence.automatic(0, 3 * 3600.0)
+    spread = [-0.003, -0.002, -0.001, 0.0, 0.001, 0.002, 0.003]
+    for step in range(1, 31):
+        cadence.observe(step, 0.064 + spread[step % len(spread)])
+    assert cadence.cost_s() is None
+    assert cadence.proposal() == FIRST_EVERY  # nothing known of the snapshots yet
+    cadence.observe_snapshot(1.9)
+    cadence.observe_snapshot(2.1)  # the slowest of the recent ones counts
+    assert cadence.fits_every() == fitting_every(2.1, 0.064) == 33
+    assert cadence.proposal() == 33
+    # Agreed on: measured anew beside it, but what snapshots take is a fact of the device: kept.
+    cadence.agree(35, [cadence.proposal()])
+    assert cadence.every == 33 and cadence.fits_every() == 33 and cadence.proposal() == 33
+
+
+def test_the_loops_waits_for_snapshots_are_a_cost_of_them() -> None:
+    """The loop waited (a device memory budget, a buddy copy's step): what the step times do not
+    show is counted per snapshot kept, alone where the steps tell nothing, added where they do."""
+    cadence = Cadence.automatic(0, 600.0)
+    for step in range(1, 61):
+        cadence.observe(step, 0.25)
+    assert cadence.cost_s() == 0.0  # steps beside a snapshot no slower, no waits
+    for _ in range(4):
+        cadence.observe_snapshot(0.1)
+    cadence.observe_wait(0.2)
+    cadence.observe_wait(0.2)
+    assert cadence.cost_s() == pytest.approx(0.1)  # 0.4 s over 4 snapshots
+    assert cadence.proposal() == young_daly_every(0.1, 0.25, 600.0, LEAST_EVERY) > LEAST_EVERY
+    cadence.agree(60, [cadence.proposal()])
+    assert cadence.waited_s == 0.0 and cadence.taken == 0
+
+    unknown = Cadence.automatic(0, 600.0)
+    unknown.observe(1, 0.25)
+    unknown.observe_snapshot(0.1)
+    unknown.observe_wait(0.3)
+    assert unknown.beside_cost_s() is None and unknown.cost_s() == pytest.approx(0.3)
+
+
+def test_the_interval_kept_is_between_two_snapshots_on_the_cadence() -> None:
+    cadence = Cadence(4)
+    assert cadence.kept(4) is None  # the first: nothing to measure from
+    assert cadence.kept(8) == 4
+    assert cadence.kept(20) == 12  # those due at 12 and 16 were skipped
+    assert cadence.kept(23) is None  # off the cadence (the job's last step)
+    assert cadence.kept(24) is None  # the one before was off it
+    assert cadence.kept(28) == 4
+    # A new K counts from its own first step: the one before it is not on it.
+    cadence.every, cadence.since = 6, 30
+    assert cadence.kept(30) is None and cadence.kept(42) == 12
+
+
+def test_a_fixed_cadence_records_step_and_snapshot_times_but_never_proposes_another_k() -> None:
+    cadence = Cadence(2)
+    for step in range(1, 20):
+        cadence.observe(step, 0.02)
+    cadence.observe_snapshot(0.25)
+    assert cadence.fits_every() == 13 and cadence.proposal() == 2
+    assert Cadence(2).fits_every() is None

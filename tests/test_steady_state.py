@@ -96,10 +96,10 @@ def test_steps_go_on_while_a_slow_snapshot_is_written_and_snapshots_are_skipped_
     during = [e[1] for e in events[begin:end] if e[0] == "step"]
     # The loop did not wait for the first snapshot's write: most of the run happened during it.
     assert len(during) >= STEPS // 2, events
-    # The snapshots due meanwhile were skipped, not queued behind it (one more may wait: the loop
-    # runs a step ahead of the step it waits for); the last step's is taken.
+    # The snapshots due meanwhile were skipped, not queued behind it (one is on its way at a time:
+    # each holds device memory until copied); the last step's is taken.
     writes = [e[1] for e in events if e[0] == "write-begin"]
-    assert writes[:2] == [1, 2] and writes[-1] == STEPS and len(writes) < STEPS // 2, writes
+    assert writes[0] == 1 and 2 not in writes and writes[-1] == STEPS and len(writes) < STEPS // 2, writes
     assert events[-1] == ["skipped", STEPS - len(writes)]
     # A snapshot is only kept once whole: the final one ended before the job reported its end.
     assert events.index(["write-end", STEPS]) < events.index(["step", STEPS])

@@ -61,7 +61,10 @@ class Loop:
         self.agent = Agent(hosts)
         self._blocked: tuple[int, float, float, str] | None = None
         self._step = 7
+        self._closed = False
         self.restarts: queue.Queue[tuple[float, str]] = queue.Queue()
+
+    _moved_on = Session._moved_on
 
     def _restart_process(self, reason: str) -> None:
         self.restarts.put((time.monotonic(), reason))
@@ -137,6 +140,20 @@ def test_a_step_blocked_when_the_new_epoch_leaves_out_a_member_ends_at_once() ->
     announced = grown.agent.publish(2, (*hosts, "host-3"))  # a host joins: the step can end
     at, reason = grown.restarts.get(timeout=10)
     assert at - announced >= 0.4 and "epoch 2 was announced" in reason
+
+
+def test_a_closed_sessions_watchdog_ends_when_woken() -> None:
+    """``Session.close`` marks the session closed and closes the agent client, which wakes whoever
+    waits for an assignment: the watchdog ends then, not a threshold later."""
+    loop = Loop(Policy(stall_report_s=30.0, stuck_step_exit_s=30.0, stuck_join_exit_s=30.0))
+    watchdog = threading.Thread(target=Session._watchdog, args=(loop,), daemon=True)
+    watchdog.start()
+    time.sleep(0.2)
+    assert watchdog.is_alive()
+    loop._closed = True
+    loop.agent.publish(1)  # a wake-up, as the client's close gives (the same epoch: nothing to judge)
+    watchdog.join(timeout=5)
+    assert not watchdog.is_alive() and loop.restarts.empty()
 
 
 def test_a_member_left_out_is_told_only_from_known_members() -> None:

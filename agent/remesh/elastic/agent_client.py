@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 import structlog
@@ -20,7 +21,11 @@ from remesh.v1 import agent_pb2 as apb
 from remesh.v1 import agent_pb2_grpc as apb_grpc
 from remesh.v1.contract import Env, TrainerAssignment
 
-__all__ = ["AgentClient", "Assignment", "trainer_totals"]
+__all__ = ["AgentClient", "AgentLink", "Assignment", "trainer_totals"]
+
+
+# The session counts the snapshots each tier could not keep as ``stats["snapshot_failures.TIER"]``.
+_FAILURES_OF = "snapshot_failures."
 
 
 def trainer_totals(stats: Mapping[str, float]) -> apb.TrainerTotals:
@@ -107,6 +112,50 @@ class Assignment:
         )
 
 
+class AgentLink(Protocol):
+    """What a ``Session`` needs of its agent: ``AgentClient`` (the agent's local API), or
+    ``remesh.elastic.solo.SoloAgent`` for a job run alone."""
+
+    changed_at: float
+
+    @property
+    def latest(self) -> Assignment: ...
+
+    def lost_a_member(self, epoch: int, newer: Assignment) -> bool: ...
+
+    def wait_newer(self, epoch: int, timeout: float) -> Assignment | None: ...
+
+    def wait_until(self, predicate: Callable[[Assignment], bool], timeout: float) -> Assignment | None: ...
+
+    def report_progress_later(
+        self, step: int, epoch: int, totals: Mapping[str, float] | None = None
+    ) -> None: ...
+
+    def report_tiers_missing(self, missing: Mapping[str, str]) -> None: ...
+
+    def flush_progress(self, timeout: float = 10.0) -> bool: ...
+
+    def report_stall(self, epoch: int, step: int, blocked_s: float) -> None: ...
+
+    def report_collective_failure(self, epoch: int, step: int, detail: str) -> None: ...
+
+    def ack(
+        self,
+        epoch: int,
+        restored_step: int,
+        source: str,
+        phases: Mapping[str, float],
+        restored_bytes: Mapping[str, int] | None = None,
+        reached_step: int = -1,
+    ) -> bool: ...
+
+    def commit(self, epoch: int, step: int, tier: str) -> None: ...
+
+    def finish(self, epoch: int, step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class AgentClient:
     def __init__(
         self, address: str, first: Assignment, slot: int = 0, progress_every_s: float = PROGRESS_EVERY_S
@@ -159,9 +208,11 @@ class AgentClient:
                 for msg in self._stub.WatchAssignments(request):
                     self._publish(Assignment.from_pb(msg))
                     backoff = 0.05
-            except grpc.RpcError as exc:
+            except (grpc.RpcError, ValueError) as exc:  # ValueError: the channel closed meanwhile
                 if self._closed:
                     return
+                if not isinstance(exc, grpc.RpcError):
+                    raise
                 log.warning("assignment stream lost; retrying", code=exc.code().name, retry_in_s=backoff)
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
@@ -200,16 +251,17 @@ class AgentClient:
         return self.wait_until(lambda a: a.epoch > epoch, timeout)
 
     def wait_until(self, predicate: Callable[[Assignment], bool], timeout: float) -> Assignment | None:
-        """The latest assignment once ``predicate`` holds for it, or None after ``timeout`` seconds."""
+        """The latest assignment once ``predicate`` holds for it, or None after ``timeout`` seconds
+        (or once the client is closed)."""
         with self._changed:
-            self._changed.wait_for(lambda: predicate(self._latest), timeout)
+            self._changed.wait_for(lambda: self._closed or predicate(self._latest), timeout)
             return self._latest if predicate(self._latest) else None
 
     def report_progress(self, step: int, epoch: int, totals: Mapping[str, float] | None = None) -> int:
         """Tell the agent a step completed (and, with ``totals``, the session's running totals: see
         ``trainer_totals``); returns the newest epoch it knows (-1 when the agent did not answer:
         progress is advisory, and the next step reports again)."""
-        request = apb.ReportProgressRequest(step=step, epoch=epoch)
+        request = apb.ReportProgressRequest(step=step, epoch=epoch, tiers_missing=self._tiers_missing)
         if totals is not None:
             request.totals.CopyFrom(trainer_totals(totals))
         try:
@@ -365,10 +417,23 @@ class AgentClient:
             raise _refusal(exc, f"finishing the job at step {step} in epoch {epoch}") from exc
 
     def close(self) -> None:
+        """Stop following assignments and reporting (a report on its way is let go), wake whoever
+        waits for an assignment, and wait for the client's threads to end."""
         with self._progress_due:
             self._closed = True
             self._progress_due.notify_all()
-        self._channel.close()
+        with self._changed:
+            self._changed.notify_all()
+        self._channel.close()  # ends the assignment stream, and the thread that follows it
+        for thread in (self._watch, self._reporter):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout=10.0)
+
+
+def _plain(detail: str) -> str:
+    """The first line of an error, as plain text within the coordinator's bound on a detail."""
+    line = detail.splitlines()[0] if detail else ""
+    return "".join(c if c.isprintable() else " " for c in line)[:_DETAIL_CHARS]
 
 
 def lost_a_member(before: Sequence[str], after: Sequence[str]) -> bool:

@@ -9,6 +9,12 @@ loop and ``M`` the expected time between failures of the job. ``Cadence`` measur
 loop's own step times (the steps beside a snapshot against the others), so the interval follows the
 state size, the host and the step as they are, not as a default guessed them.
 
+A snapshot must also fit in its interval. Only one is on its way at a time (each holds device
+memory until copied), so one due while the last is still being copied is skipped, and the interval
+kept is longer than asked whenever a snapshot takes longer than K steps. ``Cadence`` remembers what
+snapshots really take (from their step's dispatch until kept) and never proposes a K they do not
+fit in; ``kept`` says the interval actually kept, for the session to report.
+
 Every member must snapshot the same steps (a restore needs one step every survivor holds, and the
 buddy copies are made of the same steps), so a new K is agreed, not decided alone: at an agreed
 step each member proposes its K, every member takes the largest (the collectives wait for the
@@ -19,6 +25,7 @@ Pure logic: the session feeds it step times and does the agreeing (``remesh.elas
 
 from __future__ import annotations
 
+import collections
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -32,6 +39,11 @@ FIRST_EVERY = 5
 # The smallest K an automatic cadence takes: with snapshots every 1 or 2 steps every step runs
 # beside one and there are no others to measure the cost against, so it could never grow again.
 LEAST_EVERY = 3
+# Snapshots whose time is remembered: the slowest of them sets the least K they fit in (a snapshot
+# slower than its interval makes the next one due be skipped).
+SNAPSHOTS_REMEMBERED = 5
+# Step times remembered for that (their median is the step's time).
+STEPS_REMEMBERED = 31
 
 
 def young_daly_every(cost_s: float, step_s: float, mtbf_s: float, least: int = 1, most: int = 10_000) -> int:
@@ -43,6 +55,15 @@ def young_daly_every(cost_s: float, step_s: float, mtbf_s: float, least: int = 1
         return least
     every = math.sqrt(2.0 * cost_s * mtbf_s) / step_s
     return max(least, min(most, round(every)))
+
+
+def fitting_every(snapshot_s: float, step_s: float) -> int:
+    """The fewest steps apart that snapshots of ``snapshot_s`` each (from their step's dispatch until
+    kept) can be taken, one at a time, at ``step_s`` a step: more than ``snapshot_s`` must pass
+    between one and the next, else the next is due while the last is still on its way."""
+    if step_s <= 0 or not math.isfinite(step_s):
+        raise ValueError(f"a step must take a positive time, not {step_s}")
+    return max(1, math.floor(snapshot_s / step_s) + 1)
 
 
 @dataclass
@@ -61,6 +82,20 @@ class Cadence:
     quiet: list[float] = field(default_factory=list)
     # (calibration step, step the agreed K counts from) while the members agree.
     agreeing: tuple[int, int] | None = None
+    # Seconds each recent snapshot was on its way (from its step's dispatch until kept), and recent
+    # step times: what sets the least K a snapshot fits in (``fits_every``), at a fixed K as well.
+    snapshot_s: collections.deque[float] = field(
+        default_factory=lambda: collections.deque(maxlen=SNAPSHOTS_REMEMBERED)
+    )
+    step_s: collections.deque[float] = field(
+        default_factory=lambda: collections.deque(maxlen=STEPS_REMEMBERED)
+    )
+    # Seconds the loop waited for snapshots (the device memory budget, a buddy copy's step), and the
+    # snapshots kept, since the last agreement: a wait is a cost the step times do not show.
+    waited_s: float = 0.0
+    taken: int = 0
+    # The step of the last snapshot kept (``kept``).
+    last_kept: int | None = None
 
     def __post_init__(self) -> None:
         if self.every < 1:
@@ -82,10 +117,36 @@ class Cadence:
         return self.due(step) or self.due(step - 1)
 
     def observe(self, step: int, seconds: float) -> None:
-        """Step ``step`` took ``seconds`` (from the end of the step before)."""
+        """Step ``step`` took ``seconds`` (from the end of the step before; waits for snapshots left
+        out: they are told with ``observe_wait``)."""
+        self.step_s.append(seconds)
         if self.mtbf_s is None:
             return
         (self.beside if self.beside_snapshot(step) else self.quiet).append(seconds)
+
+    def observe_snapshot(self, seconds: float) -> None:
+        """A snapshot was kept ``seconds`` after its step was dispatched."""
+        self.snapshot_s.append(seconds)
+        self.taken += 1
+
+    def observe_wait(self, seconds: float) -> None:
+        """The loop waited ``seconds`` for a snapshot."""
+        self.waited_s += seconds
+
+    def fits_every(self) -> int | None:
+        """The least K the recent snapshots fit in (``fitting_every``: the slowest of them at the
+        median step); None until a snapshot and a step were measured."""
+        if not self.snapshot_s or not self.step_s:
+            return None
+        return fitting_every(max(self.snapshot_s), statistics.median(self.step_s))
+
+    def kept(self, step: int) -> int | None:
+        """A snapshot of ``step`` was kept: the steps since the one kept before it, where both were
+        due at the current K (None otherwise: the first one, or one taken off the cadence)."""
+        last, self.last_kept = self.last_kept, step
+        if last is None or last < self.since or not (self.due(last) and self.due(step)):
+            return None
+        return step - last
 
     def calibrates_at(self, step: int) -> int | None:
         """At a snapshot step where the members agree on the next K: the step it counts from (the
@@ -98,7 +159,17 @@ class Cadence:
         return step + self.every * math.ceil(4 / self.every)
 
     def cost_s(self) -> float | None:
-        """What one snapshot costs the loop, in seconds: how much longer the steps beside it take
+        """What one snapshot costs the loop, in seconds: what the steps beside it lose
+        (``beside_cost_s``) plus what the loop waited for it (``observe_wait``, per snapshot kept).
+        None where neither is known."""
+        beside = self.beside_cost_s()
+        waited = self.waited_s / self.taken if self.taken else 0.0
+        if beside is None:
+            return waited if waited > 0 else None
+        return beside + waited
+
+    def beside_cost_s(self) -> float | None:
+        """What one snapshot costs the steps beside it, in seconds: how much longer they take
         than the others (the medians), less what the medians' own noise could make of nothing (two
         standard errors), times the steps beside each; 0 where the steps beside are no slower.
         None until both were seen, and where the step times cannot tell the difference (either way)
@@ -115,12 +186,19 @@ class Cadence:
         return max(0.0, per_step - noise) * 2  # two steps run beside each snapshot (beside_snapshot)
 
     def proposal(self) -> int:
-        """This member's K: Young's from the cost measured here; the current K until one is."""
-        cost = self.cost_s()
-        if cost is None or self.mtbf_s is None:
+        """This member's K: Young's from the cost measured here (the current K until one is), and
+        never fewer steps than a snapshot fits in (``fits_every``): a K snapshots do not fit in is
+        not kept (every other one due is skipped), whatever the cost."""
+        if self.mtbf_s is None:
             return self.every
-        step_s = statistics.median(self.quiet)
-        return young_daly_every(cost, step_s, self.mtbf_s, min(LEAST_EVERY, self.most), self.most)
+        cost = self.cost_s()
+        times = self.quiet or list(self.step_s)
+        every = self.every
+        if cost is not None and times:
+            every = young_daly_every(
+                cost, statistics.median(times), self.mtbf_s, min(LEAST_EVERY, self.most), self.most
+            )
+        return min(self.most, max(every, self.fits_every() or 1))
 
     def agree(self, at: int, proposals: list[int]) -> None:
         """Every member's proposals are in: from step ``at`` on, the largest of them. Measured anew
@@ -130,6 +208,7 @@ class Cadence:
         self.agreeing = None
         self.beside.clear()
         self.quiet.clear()
+        self.waited_s, self.taken = 0.0, 0
 
 
 def _median_error(values: list[float]) -> float:

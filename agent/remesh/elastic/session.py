@@ -21,12 +21,12 @@ Where that is impossible it exits with ``RESTART_EXIT_CODE`` and the agent start
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import itertools
 import json
-import operator
 import os
+import re
+import statistics
 import sys
 import tempfile
 import threading
@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, NoReturn, Protocol
@@ -47,7 +48,7 @@ from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from remesh.elastic.agent_client import PROGRESS_EVERY_S, AgentClient, Assignment
+from remesh.elastic.agent_client import PROGRESS_EVERY_S, AgentClient, AgentLink, Assignment
 from remesh.elastic.cadence import Cadence
 from remesh.elastic.checkpoints import Approve, CheckpointError, StaleEpoch, Trusted
 from remesh.elastic.data import HostBatches, StepData
@@ -73,6 +74,7 @@ from remesh.elastic.exchange import (
     fetch,
     lower_priority,
 )
+from remesh.elastic.host_copies import SnapshotCopy, copies_of
 from remesh.elastic.runtime import Runtime, as_peer_failure, configure_backend, peer_failures
 from remesh.elastic.sharding import (
     AXES,
@@ -179,19 +181,31 @@ class Policy:
     snapshots_kept: int = 3
     # Take a host-memory snapshot (this process's own shards, into RAM and /dev/shm) every K steps,
     # in the background: a thread copies them once the step is done, beside the steps after it, so
-    # no step waits for it. With two still on their way the next one due is skipped, unless a buddy
-    # copy is due at that step too (then the loop waits for the oldest: every host must hold the
-    # steps the buddy copies are made of). A failure loses at most the K - 1 steps after the newest
-    # snapshot every member holds, and they are replayed (the batch is a function of the step).
+    # no step waits for it. One at a time (each holds device memory until copied): with one still
+    # on its way the next one due is skipped, unless a buddy copy is due at that step too (then the
+    # loop waits for it: every host must hold the steps the buddy copies are made of). A snapshot
+    # slower than K steps thus stretches the interval kept (stats["snapshot_every_kept"], and a
+    # warning that says which K it fits in). A failure loses at most the K - 1 steps after the
+    # newest snapshot every member holds, and they are replayed (the batch is a function of the step).
     # "auto" (the default): K is Young's interval, sqrt(2 x cost x mtbf_s), from what a snapshot
-    # costs the loop, measured on its own step times, and agreed by every member (the largest
-    # proposal: the slowest member sets everyone's pace); 5 until the first agreement, after 30
-    # steps (remesh.elastic.cadence). A snapshot that costs nothing is taken every 3 steps (on a GPU
-    # or TPU the copy is DMA beside the compute); one that costs much (on CPU the copy shares the
-    # cores with the step, benchmarks/overhead.py) is taken rarely. Buddy copies then go with
-    # every snapshot (buddy_every 1) or never (0). A number: every K steps, fixed (1: nothing is
-    # ever replayed, whatever it costs).
+    # costs the loop, measured on its own step times and its waits for snapshots, and never fewer
+    # steps than a snapshot takes; agreed by every member (the largest proposal: the slowest member
+    # sets everyone's pace); 5 until the first agreement, after 30 steps (remesh.elastic.cadence).
+    # A snapshot that costs nothing is taken every 3 steps (on a GPU or TPU the copy is DMA beside
+    # the compute) or as often as it fits; one that costs much (on CPU the copy shares the cores
+    # with the step, benchmarks/overhead.py) is taken rarely. Buddy copies then go with every
+    # snapshot (buddy_every 1) or never (0). A number: every K steps, fixed (1: nothing is ever
+    # replayed, whatever it costs).
     snapshot_every: int | Literal["auto"] = "auto"
+    # The device memory a snapshot may still hold, in bytes, when the loop hands the next step back
+    # (Epoch.done). A snapshot keeps its step's arrays alive on the device until each is copied to
+    # the host (released one by one as copied), and the loop has moved on to newer ones meanwhile:
+    # on a device nearly full that is an out-of-memory error, not an overhead. None: one snapshot
+    # of this process's own shards at most (one is on its way at a time), and the loop never waits.
+    # A number: the loop waits (stats["snapshot_wait_s"], a cost the cadence counts) until the
+    # snapshot on its way holds no more than this (0: none of an earlier step is left on the device
+    # when a step is handed back).
+    snapshot_device_budget_bytes: int | None = None
     # The expected time between failures of the whole job, for snapshot_every="auto": the rarer
     # failures are, the more steps a snapshot may be apart (a failure replays half of them, on
     # average). Three hours: a 16,000-GPU job saw one unexpected interruption every 3.1 hours
@@ -256,6 +270,10 @@ class Policy:
     def __post_init__(self) -> None:
         if self.progress_every_s < 0:
             raise ValueError(f"progress_every_s must be >= 0, not {self.progress_every_s}")
+        if self.snapshot_device_budget_bytes is not None and self.snapshot_device_budget_bytes < 0:
+            raise ValueError(
+                f"snapshot_device_budget_bytes must be None or >= 0, not {self.snapshot_device_budget_bytes}"
+            )
         if self.snapshot_every == "auto":
             if self.buddy_every not in (0, 1):
                 raise ValueError(
@@ -348,6 +366,12 @@ class Epoch:
     @property
     def rank(self) -> int:
         return self.assignment.rank
+
+    @property
+    def phases(self) -> Mapping[str, float]:
+        """Seconds this member spent joining the epoch, by phase (``reinit``, ``restore`` and its
+        parts, ``compile``, ``first_step`` once the first step is done): what it acknowledges."""
+        return dict(self._phases)
 
     @property
     def world_size(self) -> int:
@@ -461,7 +485,9 @@ class Epoch:
 
     def done(self, state: PyTree, metrics: Mapping[str, jax.Array] | None = None) -> StepResult | None:
         """The step is dispatched and ``state`` is its result: snapshot, copy, checkpoint and report
-        in the background. Returns the step before, once done (scalar ``metrics`` as floats)."""
+        in the background. Returns the step before, once done (scalar ``metrics`` as floats); with
+        ``Policy.snapshot_device_budget_bytes``, once a snapshot of an earlier step still on its way
+        holds no more device memory than that."""
         s = self._session
         s._blocked = None
         dispatched = time.monotonic()
@@ -498,6 +524,7 @@ class Epoch:
             s._snapshot(step, self.epoch, leaves, wait=step == self.num_steps)
             if s._buddy_step(step):
                 s._copy_buddy_later(step, self.assignment)
+        s._within_device_budget(step, self.epoch)
         s._maybe_checkpoint(step, self.assignment, leaves)
         result = s._completed(self.assignment, *self._pending) if self._pending is not None else None
         self._pending = (step, metrics, leaves[0], max(dispatched, s._done_at))
@@ -572,7 +599,7 @@ class Session:
         data: StepData | None = None,
         policy: Policy | None = None,
         checkpoints: Sequence[CheckpointStore] = (),
-        agent: AgentClient | None = None,
+        agent: AgentLink | None = None,
         job_id: str | None = None,
         layout: Layout | None = None,
     ) -> None:
@@ -586,7 +613,7 @@ class Session:
         self._data = data
         self.devices_per_host = devices_per_host
         self.checkpoints = list(checkpoints)
-        self.agent = agent or AgentClient.from_env(progress_every_s=self.policy.progress_every_s)
+        self.agent: AgentLink = agent or AgentClient.from_env(progress_every_s=self.policy.progress_every_s)
         job = job_id or os.environ.get(Env.JOB, "default")
         self.job_id = job
         shm = (
@@ -597,15 +624,27 @@ class Session:
         owner = os.environ.get(Env.AGENT_SESSION)
         if shm is not None and owner:
             claim(shm, owner)
-        self.snapshots = Snapshots(self.policy.own_snapshots_kept, shm)
+        # The tiers that could not keep a snapshot of this process (tier -> the last error), and the
+        # problems already logged and told to the agent (``_not_kept``).
+        self.tiers_missing: dict[str, str] = {}
+        self._problems: set[tuple[str, str]] = set()
+        self._not_kept_lock = threading.Lock()
+        self.snapshots = Snapshots(self.policy.own_snapshots_kept, shm, on_not_kept=self._not_kept)
         # The copies this process keeps of its buddy's own pieces: in memory and in /dev/shm like its
         # own snapshots, since a survivor's trainer is often restarted (stuck in a collective with
         # the dead peer) and the copy must outlive it. The newest two: one may be a moment old.
-        self.buddies = Snapshots(2, shm / "buddy" if shm is not None else None)
+        # Their files are the buddy tier's, whatever directory they are in.
+        self.buddies = Snapshots(
+            2,
+            shm / "buddy" if shm is not None else None,
+            on_not_kept=lambda step, _tier, error: self._not_kept(step, "buddy", error),
+        )
         # Every piece this process offered for the restore under way, by restore point: what its
         # piece server hands to the members that fetch from it.
         self._offered: dict[RestorePoint, Pieces] = {}
-        self._server = PieceServer(self._serve, on_copied=self.snapshots.pin)
+        # Started by the first epoch of more than one process (``_piece_address``): a world of one
+        # fetches nothing, and its host may allow no TCP socket.
+        self._server: PieceServer | None = None
         self._peers: list[str] = []
         self.runtime = Runtime(self.policy.init_timeout_s)
         # Work beside training runs at a lower CPU priority than the loop (lower_priority); not the
@@ -614,7 +653,12 @@ class Session:
         self._compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="remesh-compile")
         self._copier = ThreadPoolExecutor(1, "remesh-buddy", initializer=lower_priority)
         self._snapshotter = ThreadPoolExecutor(1, "remesh-snapshot", initializer=lower_priority)
-        self._snapshotting: collections.deque[Future[None]] = collections.deque()
+        # The snapshot on its way to the host (one at a time: ``_snapshot``), and the seconds the loop
+        # waited for one since the last step it timed (left out of the step times the cadence reads).
+        self._in_flight: _InFlight | None = None
+        self._snapshot_waited = 0.0
+        # The (asked, kept) snapshot intervals warned of (``_interval_kept``).
+        self._told_intervals: set[tuple[int, int]] = set()
         self._saving: Future[None] | None = None
         # Buddy copies on their way, oldest first.
         self._copying: collections.deque[Future[None]] = collections.deque()
@@ -630,6 +674,9 @@ class Session:
         # ... and compiling a step of the user's loop (``Epoch.jit``) first sleeps this long, as on a
         # slower or busier host.
         self._compile_delay_s = float(os.environ.get("REMESH_FAULT_COMPILE_DELAY_S", "0") or 0)
+        # ... and a snapshot's copy to the host pauses this long before each shard, as a state of
+        # gigabytes takes seconds to copy.
+        self._snapshot_delay_s = float(os.environ.get("REMESH_FAULT_SNAPSHOT_SHARD_DELAY_S", "0") or 0)
         # ... and the step after this many steps fails here once, as a collective does when the
         # network between healthy hosts fails for a moment (its peers' collectives then time out).
         self._fail_collective_at = int(os.environ.get("REMESH_FAULT_COLLECTIVE_AT_STEP", "-1") or -1)
@@ -663,6 +710,18 @@ class Session:
             "snapshot_bytes": 0,
             "snapshot_s": 0.0,  # seconds spent taking snapshots, in the background
             "snapshots_skipped": 0,
+            # Snapshots cut short and dropped because their epoch was being left (the restore takes
+            # the newest one kept).
+            "snapshots_abandoned": 0,
+            "snapshot_wait_s": 0.0,  # seconds the loop waited for snapshots (budget, buddy steps, the end)
+            # Not totals: the most device bytes a snapshot of an earlier step still held when the
+            # loop handed a step back (the extra device memory snapshots cost), and the steps
+            # between the last two snapshots kept.
+            "snapshot_held_bytes_peak": 0,
+            "snapshot_every_kept": 0,
+            # Snapshots not kept where they were meant to be (kept in the process only); by tier as
+            # snapshot_failures.TIER ("host-shm", "buddy").
+            "snapshot_failures": 0,
             "peer_failures": 0,  # epochs left because a peer failed (a collective timed out or broke)
             "buddy_copies": 0,
             "buddy_copies_failed": 0,
@@ -681,9 +740,14 @@ class Session:
         # (epoch, since, grace, what) of the blocking work running now (joining an epoch, or a
         # step): the watchdog's view of the training loop.
         self._blocked: tuple[int, float, float, str] | None = None
+        # Set by ``close``: the threads of the session end.
+        self._closed = False
+        self._watching: threading.Thread | None = None
         if self.policy.stuck_step_exit_s is not None or self.policy.stuck_join_exit_s is not None:
-            threading.Thread(target=self._watchdog, name="remesh-watchdog", daemon=True).start()
-        configure_backend(
+            self._watching = threading.Thread(target=self._watchdog, name="remesh-watchdog", daemon=True)
+            self._watching.start()
+        # "cpu", "gpu", "tpu": the platform the backend will be made for (none is made here).
+        self.platform = configure_backend(
             devices_per_host, self.policy.collective_timeout_s, self.policy.compilation_cache_dir
         )
 
@@ -771,14 +835,16 @@ class Session:
                     recoveries=recoveries,
                     recovery=recovery_id(self.job_id, assignment.epoch + 1),
                 )
-                # Orbax and the snapshot copies read from the devices: they must finish before the
-                # runtime goes. Watched like a step (a snapshot waits for its step, which may be
+                # Orbax and the snapshot copies read from the devices: they must be done with them
+                # before the runtime goes. Watched like a step while they wait for one (it may be
                 # stuck in a collective with the dead peer until the collective timeout): still
                 # waiting stuck_step_exit_s after the new epoch is out ends the process for the
-                # warm standby, which restores from /dev/shm.
+                # warm standby, which restores from /dev/shm. A snapshot being copied stops at its
+                # next shard and is dropped (``_let_go_of_snapshot``): the library's own work is
+                # never taken for a dead peer.
                 self._blocking(assignment.epoch, self.policy.stuck_step_exit_s, "leaving")
                 self._wait_for_save()
-                self._wait_for_snapshots()
+                self._let_go_of_snapshot()
                 self._blocked = None
                 teardown = self.runtime.stop()
                 if recoveries > self.policy.max_in_process_recoveries:
@@ -827,8 +893,11 @@ class Session:
                 log.info("job halted; the trainer stops", epoch=assignment.epoch)
                 return None
             log.info("standby: no rank for this process yet", epoch=assignment.epoch)
-            if self._train_step is not None:
-                self._step_program()  # traced while idle, not during the recovery that places it
+            if self._train_step is not None and self.platform == "cpu":
+                # Traced while idle, not during the recovery that places it. Only on CPU: tracing may
+                # make a backend (a constant the step creates), and an accelerator's devices belong
+                # to the process that trains (a TPU chip opens in one process at a time).
+                self._step_program()
             placed = self.agent.wait_until(lambda a: a.halted or a.rank >= 0, 3600.0)
             assignment = placed or assignment
         return assignment
@@ -843,7 +912,7 @@ class Session:
         # Nothing blocked: work that begins now is due no sooner than this.
         idle_wait = min([stall_after, *graces])
         reported: tuple[int, float] | None = None
-        while True:
+        while not self._closed:
             seen = self.agent.latest
             wait = idle_wait
             blocked = self._blocked
@@ -881,7 +950,12 @@ class Session:
                     due.append(now + grace - stuck)
                 # Blocking work that ends and begins again is due later than what is due now.
                 wait = min([idle_wait, *(d - now for d in due)])
-            self.agent.wait_until(functools.partial(operator.is_not, seen), max(wait, 0.005))
+            # A new assignment wakes it; so does ``close`` (the agent's close wakes its waiters).
+            self.agent.wait_until(functools.partial(self._moved_on, seen), max(wait, 0.005))
+
+    def _moved_on(self, seen: Assignment, latest: Assignment) -> bool:
+        """Whether the watchdog has something new to look at: a new assignment, or the session closed."""
+        return latest is not seen or self._closed
 
     def _blocking(self, epoch: int, grace: float | None, what: str, since: float | None = None) -> None:
         """Blocking work begins (``since``: when it began, now by default) for the watchdog to judge."""
@@ -1040,7 +1114,10 @@ class Session:
             self.stats["step_s"] += self._done_at - last[2]
             every = self.policy.checkpoint_every
             if not (every and step % every in (0, 1)):  # a checkpoint's steps measure the checkpoint
-                self._cadence.observe(step, self._done_at - last[2])
+                # The loop's waits for snapshots are told to the cadence as such (``observe_wait``).
+                took = self._done_at - last[2] - self._snapshot_waited
+                self._cadence.observe(step, max(took, 0.0))
+        self._snapshot_waited = 0.0
         self._last_completed = (assignment.epoch, step, self._done_at)
         self.agent.report_progress_later(step, assignment.epoch, self.stats)
         return StepResult(step, assignment.epoch, assignment.world_size, host_metrics)
@@ -1048,29 +1125,142 @@ class Session:
     # ---- snapshots -------------------------------------------------------------------------------
 
     def _snapshot(self, step: int, epoch: int, leaves: Sequence[jax.Array], wait: bool = False) -> None:
-        """Copy this process's own shards of ``step`` to the host in the background and keep them as
-        a snapshot once whole.
+        """Copy this process's own shards of ``step`` to the host in the background
+        (``SnapshotCopy``: each shard's device buffer let go of once copied) and keep them as a
+        snapshot once whole.
 
-        Two may be on their way: the loop runs one step ahead of the step it waits for, so the
-        previous snapshot is often still waiting for its step to finish. A third is skipped, not
-        queued, so a slow host stretches the interval instead of piling up copies; unless the step
-        is one the buddy copies are made of (or ``wait``): then the loop waits for the oldest.
+        One at a time: a snapshot holds its step's arrays on the device until each is copied, and
+        the loop has moved on to newer ones by then (two on their way would hold two more copies of
+        the state). One due while the last is still on its way is skipped, not queued, so a slow
+        host stretches the interval instead of piling up copies (and says so: ``_interval_kept``);
+        unless the step is one the buddy copies are made of (or ``wait``): then the loop waits.
         """
-        while self._snapshotting and self._snapshotting[0].done():
-            self._snapshotting.popleft()
-        if len(self._snapshotting) >= 2:
+        if self._harvest_snapshot() is not None:
             if not (wait or self._buddy_step(step)):
-                log.debug("snapshot skipped: two are still being taken", step=step)
+                log.debug("snapshot skipped: the last one is still on its way", step=step)
                 self.stats["snapshots_skipped"] += 1
                 return
-            self._wait_for(self._snapshotting, epoch, "snapshot")
-        # Not even copy_to_host_async here: on CPU it waits for the step to finish, and a step stuck
-        # in a collective with a frozen peer would hold the loop where the watchdog cannot see it.
-        shards = _own_shards(leaves)
-        self._snapshotting.append(self._snapshotter.submit(self._keep_snapshot, step, epoch, shards))
+            self._wait_for_snapshot(epoch)
+        # Nothing is read from the devices here, not even copy_to_host_async: on CPU it waits for the
+        # step to finish, and a step stuck in a collective with a frozen peer would hold the loop
+        # where the watchdog cannot see it. On CPU ``np.asarray`` is a view of the device buffer,
+        # which the runtime frees when it is torn down: a snapshot kept as it is must be copied;
+        # one the snapshot store writes to its /dev/shm file (and keeps that, mapped) need not be.
+        copy = SnapshotCopy(
+            _own_shards(leaves), owned=self.snapshots.directory is None, shard_delay_s=self._snapshot_delay_s
+        )
+        snap = _InFlight(step, epoch, copy)
+        snap.future = self._snapshotter.submit(self._keep_snapshot, snap)
+        self._in_flight = snap
         if wait:
-            while self._snapshotting:
-                self._wait_for(self._snapshotting, epoch, "snapshot")
+            self._wait_for_snapshot(epoch)
+
+    def _harvest_snapshot(self) -> _InFlight | None:
+        """The snapshot on its way, or None once there is none; one that ended is counted here, on
+        the loop's thread (what it took, for the cadence; the interval kept)."""
+        snap = self._in_flight
+        if snap is None or not snap.future.done():
+            return snap
+        self._in_flight = None
+        if (exc := snap.future.exception()) is not None:
+            log.error(
+                "snapshot not kept: taking it failed", step=snap.step, error=f"{type(exc).__name__}: {exc}"
+            )
+        elif snap.kept_at is not None:
+            self._cadence.observe_snapshot(snap.kept_at - snap.copy.created)
+            self._interval_kept(snap.step)
+        return None
+
+    def _wait_for_snapshot(self, epoch: int, enough: Callable[[], bool] | None = None) -> None:
+        """Wait for the snapshot on its way to end (or, with ``enough``, until that holds). While it
+        waits for its step the watchdog sees a step (it may be stuck in a collective with a dead
+        peer); while it copies, nothing is blocked (its own work, progressing). A newer epoch ends
+        the wait (``TopologyChanged``). The time goes to ``stats["snapshot_wait_s"]`` and the cadence
+        (a cost of snapshots the step times do not show)."""
+        snap = self._in_flight
+        assert snap is not None
+        t = time.monotonic()
+        try:
+            while not snap.future.done() and not (enough is not None and enough()):
+                if snap.copy.phase == "step":
+                    self._blocking(epoch, self.policy.stuck_step_exit_s, "step", since=t)
+                else:
+                    self._blocked = None
+                futures_wait([snap.future], timeout=0.01 if enough is not None else 0.05)
+                latest = self.agent.latest.epoch
+                if latest > epoch:
+                    raise TopologyChanged(epoch, latest)
+        finally:
+            self._blocked = None
+            waited = time.monotonic() - t
+            self.stats["snapshot_wait_s"] += waited
+            self._snapshot_waited += waited
+            self._cadence.observe_wait(waited)
+        self._harvest_snapshot()
+        log.debug("waited for a snapshot", step=snap.step, waited_s=round(waited, 3))
+
+    def _interval_kept(self, step: int) -> None:
+        """A snapshot of ``step`` was kept: the steps since the one before (both on the cadence) are
+        the interval kept (``stats["snapshot_every_kept"]``). One longer than asked (a snapshot took
+        longer than the steps between them: the ones due meanwhile were skipped) is said once for
+        each interval asked and kept, with one that snapshots fit in."""
+        cadence = self._cadence
+        kept = cadence.kept(step)
+        if kept is None:
+            return
+        self.stats["snapshot_every_kept"] = kept
+        asked = cadence.every
+        if kept == asked or (asked, kept) in self._told_intervals:
+            return
+        self._told_intervals.add((asked, kept))
+        # What the recent snapshots fit in; where that is no more than asked (this one was slower
+        # than the others), what was kept.
+        fits = cadence.fits_every() or kept
+        fix = fits if fits > asked else kept
+        adapts = self.policy.snapshot_every == "auto" and fits > asked
+        log.warning(
+            "snapshots are kept further apart than asked: one took longer than the steps between "
+            "them, and one due while the last is still on its way is skipped"
+            + (
+                f"; the automatic cadence moves to at least {fits} steps when its members next agree"
+                if adapts
+                else f"; ask for an interval they fit in: Policy(snapshot_every={fix})"
+            ),
+            asked_every=asked,
+            kept_every=kept,
+            snapshot_s=round(max(cadence.snapshot_s, default=0.0), 3),
+            step_s=round(statistics.median(cadence.step_s), 4) if cadence.step_s else None,
+            fix=f"Policy(snapshot_every={fix})",
+        )
+
+    def _within_device_budget(self, step: int, epoch: int) -> None:
+        """The loop hands ``step`` back: a snapshot of an earlier step still on its way holds device
+        memory beside the live state; with ``Policy.snapshot_device_budget_bytes`` the loop waits
+        until it holds no more than that. The most it held then is ``stats["snapshot_held_bytes_peak"]``."""
+        snap = self._harvest_snapshot()
+        if snap is None or snap.step >= step:  # none, or this step's own (the live state)
+            return
+        budget = self.policy.snapshot_device_budget_bytes
+        if budget is not None and snap.copy.held_bytes > budget:
+            self._wait_for_snapshot(epoch, lambda: snap.copy.held_bytes <= budget)
+        peak = self.stats["snapshot_held_bytes_peak"]
+        self.stats["snapshot_held_bytes_peak"] = max(peak, snap.copy.held_bytes)
+
+    def _let_go_of_snapshot(self) -> None:
+        """The epoch is being left: the snapshot on its way stops at its next shard and is dropped
+        (the restore takes the newest snapshot kept; a copy of gigabytes would hold the recovery for
+        seconds). It is waited for only until it lets go of the epoch's arrays (the runtime goes
+        next): a shard, or its step where it still waits for that, watched as the caller set it up
+        (a step stuck with a dead peer ends the process after its grace); its own copying or writing
+        is no dead peer, and is not watched. One already being written is written whole."""
+        snap = self._in_flight
+        if snap is None:
+            return
+        snap.copy.stop()
+        while not futures_wait([snap.future], timeout=0.01).done:
+            if snap.copy.phase != "step":
+                self._blocked = None
+        self._harvest_snapshot()
 
     def _wait_for(self, futures: collections.deque[Future[None]], epoch: int, what: str) -> float:
         """Wait for the oldest of ``futures`` (background work of ``epoch``), as the watchdog sees a
@@ -1095,23 +1285,58 @@ class Session:
         log.debug("waited for background work", what=what, waited_s=round(waited, 3))
         return waited
 
-    def _keep_snapshot(self, step: int, epoch: int, shards: Mapping[tuple[int, Cell], jax.Array]) -> None:
-        t = time.monotonic()
-        # On CPU ``np.asarray`` may alias the device buffer, which the runtime frees when it is torn
-        # down, and the snapshot must outlive it: copied here, unless the snapshot store copies it
-        # into its /dev/shm file (and keeps that, mapped: one copy instead of two).
-        owned = self.snapshots.directory is None
+    def _keep_snapshot(self, snap: _InFlight) -> None:
+        """The background half of ``_snapshot``: copy, then keep (unless stopped meanwhile)."""
         try:
-            pieces = {
-                key: np.array(data, copy=True) if owned else np.asarray(data) for key, data in shards.items()
-            }
+            pieces = snap.copy.run()
         except Exception as exc:  # the step itself failed (a peer died): there is nothing to keep
-            log.info("snapshot not taken: its step failed", step=step, error=str(exc).splitlines()[0])
+            snap.copy.release()
+            log.info("snapshot not taken: its step failed", step=snap.step, error=str(exc).splitlines()[0])
             return
-        self._last_pieces = self.snapshots.put(step, epoch, pieces)
+        if pieces is None or snap.copy.stopped:
+            self.stats["snapshots_abandoned"] += 1
+            log.info("snapshot dropped unfinished: its epoch is being left", step=snap.step)
+            return
+        t = time.monotonic()
+        try:
+            self._last_pieces = self.snapshots.put(snap.step, snap.epoch, pieces)
+        finally:
+            snap.copy.release()
+        snap.kept_at = time.monotonic()
         self.stats["snapshots"] += 1
         self.stats["snapshot_bytes"] += sum(int(p.nbytes) for p in pieces.values())
-        self.stats["snapshot_s"] += time.monotonic() - t
+        self.stats["snapshot_s"] += snap.copy.copy_s + snap.kept_at - t
+
+    def _not_kept(self, step: int, tier: str, error: str) -> None:
+        """A snapshot of ``step`` could not be written where ``tier`` keeps it (``Snapshots``'
+        on_not_kept, on a background thread): it is kept in this process only, and a trainer the
+        agent restarts will not find it. Counted by tier (``stats``, and the agent's
+        remesh_trainer_snapshot_failures_total); a new problem is logged as an error, saying what to
+        do, and the tier reported missing to the agent, which records it in the job's event log.
+        Nothing waits: the report goes with the next progress report."""
+        # Errors that differ only in their numbers (the step in a file's name) are one problem.
+        problem = (tier, re.sub(r"\d+", "N", error))
+        with self._not_kept_lock:
+            self.stats["snapshot_failures"] += 1
+            per_tier = f"snapshot_failures.{tier}"
+            self.stats[per_tier] = self.stats.get(per_tier, 0) + 1
+            self.tiers_missing[tier] = error
+            missing = dict(self.tiers_missing)
+            new = problem not in self._problems
+            self._problems.add(problem)
+        if not new:
+            return
+        log.error(
+            "the snapshot tier cannot keep this process's snapshots: they are kept in the process only, "
+            "so a trainer restarted on this host finds none and the job falls back to its peers or a "
+            "checkpoint. Make Policy.shm_dir a writable directory with room for the snapshots kept (a "
+            "tmpfs such as /dev/shm; see df -h), or set shm_dir=None to keep them in the process on purpose",
+            tier=tier,
+            step=step,
+            shm_dir=self.policy.shm_dir,
+            error=error,
+        )
+        self.agent.report_tiers_missing(missing)
 
     def _release_host_memory(self) -> None:
         """The job finished: nothing restores from host memory any more, and this host's
@@ -1119,19 +1344,15 @@ class Session:
         it). Snapshots still being written (from this process's devices) are waited for; buddy
         copies are not (they fetch from peers that may have left): one not begun is cancelled, and
         one under way finds its directory gone and writes nothing."""
-        while self._snapshotting:
-            with contextlib.suppress(Exception):  # a late snapshot matters no more
-                self._snapshotting.popleft().result()
+        if self._in_flight is not None:
+            futures_wait([self._in_flight.future])
+            self._harvest_snapshot()
         while self._copying:
             self._copying.popleft().cancel()
         self.snapshots.clear()
         self.buddies.clear()
         if self.snapshots.directory is not None:  # the host's directory; the buddy copies' is in it
             release(self.snapshots.directory)
-
-    def _wait_for_snapshots(self) -> None:
-        while self._snapshotting:
-            self._snapshotting.popleft().result()
 
     def _step_program(self) -> tuple[ClosedJaxpr, Any]:
         """The step function traced once per process, from shapes alone: its program and the tree of
@@ -1297,11 +1518,21 @@ class Session:
                 self._offered[point] = {**copy.pieces, **self._offered.get(point, {})}
                 entry = points.setdefault(point, {"tier": "memory", "own": [], "buddy": []})
                 entry["buddy"] = [encode_key(k) for k in copy.pieces]
-        host = advertised_host(self.agent.latest.jax_coordinator or "127.0.0.1:0")
         return {
-            "addr": f"{host}:{self._server.port}",
+            "addr": self._piece_address(),
             "points": [[s, e, v["tier"], v["own"], v["buddy"]] for (s, e), v in sorted(points.items())],
         }
+
+    def _piece_address(self) -> str:
+        """Where the other members of this epoch fetch this process's pieces ("" in a world of one,
+        which fetches nothing): its piece server, started by the first epoch that has others."""
+        assignment = self.runtime.assignment
+        if assignment is None or assignment.world_size < 2:
+            return ""
+        if self._server is None:
+            self._server = PieceServer(self._serve, on_copied=self.snapshots.pin)
+        host = advertised_host(assignment.jax_coordinator or "127.0.0.1:0")
+        return f"{host}:{self._server.port}"
 
     def _held_by_members(
         self, assignment: Assignment, offers: list[dict[str, Any]], shardings: list[NamedSharding]
@@ -1379,8 +1610,18 @@ class Session:
         return pieces
 
     def _build(self, pieces: Pieces, shardings: list[NamedSharding]) -> list[jax.Array]:
-        """The state's leaves on the new mesh, each device's part assembled from ``pieces``."""
-        return build(pieces, self._shapes(), shardings)
+        """The state's leaves on the new mesh, each device's part assembled from ``pieces``, once
+        they are on the devices."""
+        leaves = build(pieces, self._shapes(), shardings)
+        self._on_device(leaves)
+        return leaves
+
+    def _on_device(self, leaves: list[jax.Array]) -> None:
+        """Wait until ``leaves`` are on their devices. Host-to-device copies are asynchronous: a
+        restore's phase timed without this ends before the data arrives (2.2 GB onto a TPU: 7 ms
+        timed, 2 s in truth), and the first step pays for it unseen."""
+        with peer_failures():
+            jax.block_until_ready(leaves)
 
     def _restore_from_storage(
         self, assignment: Assignment, shardings: list[NamedSharding], above: int | None = None
@@ -1453,8 +1694,9 @@ class Session:
             self.snapshots.clear()
             self.buddies.clear()
             tree_shardings = jax.tree_util.tree_unflatten(self._treedef, shardings)
-            init = jax.jit(self._init_state, out_shardings=tree_shardings)()
-            return jax.tree_util.tree_leaves(init), 0, "scratch", {}
+            init = jax.tree_util.tree_leaves(jax.jit(self._init_state, out_shardings=tree_shardings)())
+            self._on_device(init)
+            return init, 0, "scratch", {}
         if sharded:
             # A sharded state is in a tier every host reaches (the one rank 0 chose it from), its
             # files checked against the marker already, a share by each member.
@@ -1468,19 +1710,24 @@ class Session:
                     for x, s in zip(template, shardings, strict=True)
                 ],
             )
+            t = time.monotonic()
             try:
                 with peer_failures():
                     tree = store.restore_global(chosen, abstract, trusted, verified=True)
             except CheckpointError as exc:  # gone or cut short since the members checked it
                 raise RestartProcess(f"checkpoint of step {chosen} chosen by rank 0: {exc}") from exc
             leaves = jax.tree_util.tree_leaves(tree)
+            self._on_device(leaves)
+            self._restore_phases["restore_read"] = time.monotonic() - t
         else:
             assert replicated is not None  # every member read the chosen step
             tree, store = replicated
             self.snapshots.clear()
             self.buddies.clear()
             host = jax.tree_util.tree_leaves(tree)
+            t = time.monotonic()
             leaves = self._build({(i, whole(x.shape)): np.asarray(x) for i, x in enumerate(host)}, shardings)
+            self._restore_phases["restore_build"] = time.monotonic() - t
         nbytes = sum(int(x.nbytes) for x in first_replicas(leaves).values())
         return leaves, chosen, store.name, {store.name: nbytes}
 
@@ -1651,7 +1898,7 @@ class Session:
             try:
                 pieces = fetch(address, point, keys, 10.0, pin=True)
             except FetchFailed as exc:
-                if self.agent.latest.epoch > point[1] or time.monotonic() > deadline:
+                if self._closed or self.agent.latest.epoch > point[1] or time.monotonic() > deadline:
                     self.stats["buddy_copies_failed"] += 1
                     log.info("buddy copy not made", step=point[0], error=str(exc))
                     return
@@ -1775,7 +2022,10 @@ class Session:
         t = time.monotonic()
         try:
             try:
-                host = [np.array(x.addressable_shards[0].data, copy=True) for x in leaves]
+                # Copies that outlive the device buffers (the loop is steps ahead), made once: on an
+                # accelerator np.asarray is one already, on CPU it is a view (``host_copies``).
+                copies = copies_of({i: x.addressable_shards[0].data for i, x in enumerate(leaves)})
+                host = [copies[i] for i in range(len(leaves))]
             except Exception as exc:  # the step failed (a peer died): nothing to save
                 log.info("checkpoint not taken: its step failed", step=step, error=str(exc).splitlines()[0])
                 return
@@ -1816,6 +2066,8 @@ class Session:
         leaves where this process holds them whole (replicated), else what ``gather_final`` gathered."""
         if self._final is not None:
             return list(self._final)
+        if self._closed:
+            raise RuntimeError("the session is closed: take final_leaves() before close()")
         out = []
         for i, (shape, _) in enumerate(self._shapes()):
             piece = self._last_pieces.get((i, whole(shape)))
@@ -1828,11 +2080,53 @@ class Session:
         return jax.tree_util.tree_unflatten(self._treedef, self.final_leaves())
 
     def close(self) -> None:
+        """End the session: every thread it started ends (the watchdog, its background work, the
+        agent client's), and it lets go of every snapshot it holds in the process, so that no file of
+        /dev/shm stays mapped (a file deleted since, as at the end of the job, gives its memory back
+        then; one still there stays, for a trainer started next on this host). A checkpoint being
+        saved is waited for; a snapshot on its way stops at its next shard. ``final_leaves`` comes
+        before this. Closing twice does nothing; ``with Session(...) as session:`` closes it."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._in_flight is not None:
+            self._in_flight.copy.stop()
+        self._snapshotter.shutdown(wait=True)
+        self._in_flight = None
         self._saver.shutdown(wait=True)
         self._compiler.shutdown(wait=True)
-        self._copier.shutdown(wait=False)
-        self._server.close()
-        self.agent.close()
+        # A buddy copy not begun is not made; one under way gives up at its next attempt (closed).
+        self._copier.shutdown(wait=True, cancel_futures=True)
+        self._copying.clear()
+        if self._server is not None:
+            self._server.close()
+        self.agent.close()  # wakes the watchdog, which sees the session closed
+        if self._watching is not None:
+            self._watching.join()
+        if self.runtime.assignment is not None:  # left in the middle of an epoch
+            self.runtime.stop()
+        self._last_pieces = {}
+        self._offered = {}
+        self.snapshots.let_go()
+        self.buddies.let_go()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        self.close()
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """A snapshot on its way to the host: its step, the epoch whose mesh laid it out, its copy, the
+    background work keeping it, and when it was kept (None until then, and if it never is)."""
+
+    step: int
+    epoch: int
+    copy: SnapshotCopy[tuple[int, Cell]]
+    future: Future[None] = field(init=False)
+    kept_at: float | None = None
 
 
 def _own_shards(leaves: Sequence[jax.Array]) -> dict[tuple[int, Cell], jax.Array]:
