@@ -605,3 +605,42 @@ def test_a_checkpoint_newer_than_every_snapshot_is_restored_and_a_damaged_one_fa
         assert_same_as_clean(final, clean_final)
     finally:
         cluster.close()
+
+
+def test_a_host_whose_snapshots_are_slow_holds_the_others_back_rather_than_keep_other_steps(
+    tmp_path: Path, redis: RedisServer, clean_final: Path
+) -> None:
+    """Snapshots every step, and host-2 copies each one slower than a step takes. Were it to skip the
+    ones due while its last is on its way, as a job of one host does, its own timing would decide
+    which steps it holds: a sharded state's members could then hold no step in common. The loop
+    waits instead: host-2 keeps as many snapshots as host-0 (both every step), and the recovery
+    takes the newest step, bitwise as if nothing had happened."""
+    kept: dict[str, float] = {}
+
+    def count_snapshots(cluster: Cluster) -> None:
+        for host in ("host-0", "host-2"):
+            samples = scrape_once_heard(cluster, host, "remesh_trainer_steps_total", KILL_AT - 3)
+            me = {"host": host, "job_id": cluster.job}
+            kept[host] = value(samples, "remesh_trainer_snapshots_total", **me) or 0
+
+    final, cluster = run_job(
+        tmp_path,
+        redis.url,
+        spares=1,
+        victim="host-1",
+        trainer_args=("--snapshot-every", "1"),
+        host_env={"host-2": {"REMESH_FAULT_SNAPSHOT_SHARD_DELAY_S": "0.02"}},
+        before_kill=count_snapshots,
+        agent_args=("--metrics-port", "0"),
+    )
+    try:
+        # Every step snapshotted on both (the totals reach the agent once a second: a step or two apart).
+        assert kept["host-2"] >= KILL_AT - 3 and kept["host-2"] >= kept["host-0"] - 3, kept
+        acks = [e for e in cluster.events() if e.type == pb.EVENT_TYPE_EPOCH_ACKED and e.epoch == 2]
+        assert sorted(e.host_id for e in acks) == ["host-0", "host-2", "spare-0"]
+        (step,) = {int(e.details["restored_step"]) for e in acks}
+        assert step >= KILL_AT - 2, step
+        for a, b in zip(leaves(final), leaves(clean_final), strict=True):
+            assert np.array_equal(a, b), "parameters differ from the run without failure"
+    finally:
+        cluster.close()

@@ -148,7 +148,8 @@ PAIR = textwrap.dedent(
     runtime.start(epoch(2, 2, rank))
     seen.append({"gathered": runtime.allgather_int("v", 10 + rank, 60),
                  "processes": jax.process_count(), "index": jax.process_index()})
-    runtime.stop()
+    # Rank 0 hosts the coordination service: it leaves last, or the other aborts disconnecting.
+    runtime.leave_together(60)
     runtime.start(epoch(3, 1, 0))
     y = jnp.arange(5.0).sum()
     seen.append({"y": float(y), "processes": jax.process_count(), "index": jax.process_index()})

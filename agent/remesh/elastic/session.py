@@ -182,11 +182,12 @@ class Policy:
     # Take a host-memory snapshot (this process's own shards, into RAM and /dev/shm) every K steps,
     # in the background: a thread copies them once the step is done, beside the steps after it, so
     # no step waits for it. One at a time (each holds device memory until copied): with one still
-    # on its way the next one due is skipped, unless a buddy copy is due at that step too (then the
-    # loop waits for it: every host must hold the steps the buddy copies are made of). A snapshot
-    # slower than K steps thus stretches the interval kept (stats["snapshot_every_kept"], and a
-    # warning that says which K it fits in). A failure loses at most the K - 1 steps after the
-    # newest snapshot every member holds, and they are replayed (the batch is a function of the step).
+    # on its way, a job of one host skips the next one due (a snapshot slower than K steps thus
+    # stretches the interval kept: stats["snapshot_every_kept"], and a warning that says which K it
+    # fits in); with several hosts the loop waits for it instead (every member must hold the same
+    # steps, and each one's skips would follow its own timing). A failure loses at most the K - 1
+    # steps after the newest snapshot every member holds, and they are replayed (the batch is a
+    # function of the step).
     # "auto" (the default): K is Young's interval, sqrt(2 x cost x mtbf_s), from what a snapshot
     # costs the loop, measured on its own step times and its waits for snapshots, and never fewer
     # steps than a snapshot takes; agreed by every member (the largest proposal: the slowest member
@@ -521,7 +522,7 @@ class Epoch:
             s._ack(self.assignment, step - 1, self.restored_from, self._phases, self._tiers)
             self._acked = True
         if s._snapshot_due(step, self.epoch) or step == self.num_steps:
-            s._snapshot(step, self.epoch, leaves, wait=step == self.num_steps)
+            s._snapshot(step, self.epoch, leaves, wait=step == self.num_steps, alone=self.world_size == 1)
             if s._buddy_step(step):
                 s._copy_buddy_later(step, self.assignment)
         s._within_device_budget(step, self.epoch)
@@ -1124,19 +1125,24 @@ class Session:
 
     # ---- snapshots -------------------------------------------------------------------------------
 
-    def _snapshot(self, step: int, epoch: int, leaves: Sequence[jax.Array], wait: bool = False) -> None:
+    def _snapshot(
+        self, step: int, epoch: int, leaves: Sequence[jax.Array], wait: bool = False, alone: bool = False
+    ) -> None:
         """Copy this process's own shards of ``step`` to the host in the background
         (``SnapshotCopy``: each shard's device buffer let go of once copied) and keep them as a
         snapshot once whole.
 
         One at a time: a snapshot holds its step's arrays on the device until each is copied, and
         the loop has moved on to newer ones by then (two on their way would hold two more copies of
-        the state). One due while the last is still on its way is skipped, not queued, so a slow
-        host stretches the interval instead of piling up copies (and says so: ``_interval_kept``);
-        unless the step is one the buddy copies are made of (or ``wait``): then the loop waits.
+        the state). A process ``alone`` in its epoch skips one due while the last is still on its
+        way, not queued, so a slow host stretches the interval instead of piling up copies (and says
+        so: ``_interval_kept``). With other members the loop waits instead: a restore needs one step
+        that every member holds, and skips decided by each member's own timing would leave them
+        holding different steps (an HSDP job lost every step that way). Waits are a cost the
+        cadence counts, so an automatic one moves to an interval the snapshots fit in.
         """
         if self._harvest_snapshot() is not None:
-            if not (wait or self._buddy_step(step)):
+            if alone and not (wait or self._buddy_step(step)):
                 log.debug("snapshot skipped: the last one is still on its way", step=step)
                 self.stats["snapshots_skipped"] += 1
                 return
