@@ -496,3 +496,42 @@ def test_the_restore_waits_for_the_device_before_its_timer_stops() -> None:
     leaves = [jax.device_put(np.full((256, 256), float(i), np.float32)) for i in range(4)]
     Session._on_device(None, leaves)  # type: ignore[arg-type]
     assert all(x.is_ready() for x in leaves)
+
+
+def test_a_session_alone_whose_snapshot_directory_cannot_be_made_says_so_and_trains(tmp_path: Path) -> None:
+    """``Policy.shm_dir`` names a regular file: no snapshot directory can be made there. The session
+    neither refuses to start (it would fail the same way on every host, and the job would go round
+    its spares) nor downgrades silently: the tier is missing, counted and logged, the snapshots stay
+    in the process, and the result is bitwise that of a run that keeps them in the process on purpose."""
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    done = run_script(
+        """
+        from remesh.elastic.solo import SoloAgent
+        out, blocker = sys.argv[1], sys.argv[2]
+        finals = {}
+        for name, shm in (("blocked", blocker), ("in-process", None)):
+            session = Session(init_state=init_state, devices_per_host=1, agent=SoloAgent(name),
+                              job_id=name, policy=Policy(snapshot_every=2, buddy_every=0, shm_dir=shm))
+            train(session, 6)
+            finals[name] = [np.asarray(x).tolist() for x in session.final_leaves()]
+            stats, missing = dict(session.stats), dict(session.tiers_missing)
+            session.close()
+            finals[name + "-stats"] = {"failures": stats["snapshot_failures"], "snapshots": stats["snapshots"],
+                                        "missing": missing}
+        write(out, finals)
+        """,
+        str(tmp_path / "out.json"),
+        str(blocker),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "out.json").read_text())
+    blocked = result["blocked-stats"]
+    assert set(blocked["missing"]) == {"host-shm"} and "NotADirectoryError" in blocked["missing"]["host-shm"]
+    assert blocked["failures"] >= 1 and blocked["snapshots"] >= 2  # the first due, and the last step's
+    assert result["in-process-stats"]["missing"] == {}
+    assert result["blocked"] == result["in-process"]
+    errors = [e for e in log_events(done.stderr) if e.get("level") == "error"]
+    assert any(
+        "snapshot tier cannot keep" in e.get("event", "") and e.get("tier") == "host-shm" for e in errors
+    )

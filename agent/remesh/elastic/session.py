@@ -91,7 +91,7 @@ from remesh.elastic.sharding import (
     plan_fetch,
     whole,
 )
-from remesh.elastic.snapshots import Snapshots, claim, release
+from remesh.elastic.snapshots import HOST_SHM, Snapshots, claim, release
 from remesh.v1.contract import (
     ADDRESS_IN_USE_EXIT_CODE,
     COMPILATION_CACHE_ENV,
@@ -623,14 +623,23 @@ class Session:
             else None
         )
         owner = os.environ.get(Env.AGENT_SESSION)
-        if shm is not None and owner:
-            claim(shm, owner)
         # The tiers that could not keep a snapshot of this process (tier -> the last error), and the
         # problems already logged and told to the agent (``_not_kept``).
         self.tiers_missing: dict[str, str] = {}
         self._problems: set[tuple[str, str]] = set()
         self._not_kept_lock = threading.Lock()
-        self.snapshots = Snapshots(self.policy.own_snapshots_kept, shm, on_not_kept=self._not_kept)
+        unusable: str | None = None
+        try:
+            if shm is not None and owner:
+                claim(shm, owner)
+            self.snapshots = Snapshots(self.policy.own_snapshots_kept, shm, on_not_kept=self._not_kept)
+        except OSError as exc:
+            # A snapshot directory that cannot be made is a tier that keeps nothing, said as such
+            # (counted, logged, an event) once the session can count: a trainer that refused to
+            # start over it would fail the same way on every host, and the job would go round its
+            # spares. Snapshots stay in the process.
+            unusable, shm = f"{type(exc).__name__}: {exc}", None
+            self.snapshots = Snapshots(self.policy.own_snapshots_kept, None, on_not_kept=self._not_kept)
         # The copies this process keeps of its buddy's own pieces: in memory and in /dev/shm like its
         # own snapshots, since a survivor's trainer is often restarted (stuck in a collective with
         # the dead peer) and the copy must outlive it. The newest two: one may be a moment old.
@@ -731,6 +740,8 @@ class Session:
             "snapshot_every": 0,
             "snapshot_since": 0,
         }
+        if unusable is not None:
+            self._not_kept(0, HOST_SHM, unusable)
         # When snapshots are due: every snapshot_every steps, or a cadence the members agree on
         # from what snapshots cost ("auto"); begun anew at every epoch.
         self._cadence = self._new_cadence(0)
