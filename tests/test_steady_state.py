@@ -91,11 +91,11 @@ def test_steps_go_on_while_a_slow_snapshot_is_written_and_snapshots_are_skipped_
 
     steps = [e[1] for e in events if e[0] == "step"]
     assert steps == list(range(1, STEPS + 1))
-    begin = events.index(["write-begin", 1])
     end = events.index(["write-end", 1])
-    during = [e[1] for e in events[begin:end] if e[0] == "step"]
-    # The loop did not wait for the first snapshot's write: most of the run happened during it.
-    assert len(during) >= STEPS // 2, events
+    before_end = [e[1] for e in events[:end] if e[0] == "step"]
+    # The loop did not wait for the first snapshot's write: most of the run was done before it ended
+    # (during it, or before it began where the low-priority snapshot thread got the CPU late).
+    assert len(before_end) >= STEPS // 2, events
     # The snapshots due meanwhile were skipped, not queued behind it (one is on its way at a time:
     # each holds device memory until copied); the last step's is taken.
     writes = [e[1] for e in events if e[0] == "write-begin"]

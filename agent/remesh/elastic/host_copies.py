@@ -7,14 +7,15 @@ What a copy costs depends on the backend (measured with JAX 0.10):
   and a donated buffer is written over). A copy that must outlive its buffer is a real copy.
 - On an accelerator ``np.asarray`` is already a fresh host copy (the bytes come over the bus), and
   ``np.array(copy=True)`` copies them a second time: 0.5 GB/s against 1.07 GB/s on a TPU v5e.
-  Starting every buffer's transfer at once (``copy_to_host_async``) doubles the copy's rate there
-  (2.1 GB/s) but the training steps wait behind those transfers: with a 2.15 GB state snapshotted
-  beside 61 ms steps the mean step went from 67 to 96 ms (benchmarks/accelerator.py, 2026-12-07).
-  One buffer at a time leaves the steps as they were, so that is how a snapshot copies.
+  Starting every buffer's transfer at once (``copy_to_host_async``) and then taking each one runs
+  the transfers back to back: 2.1 GB/s there. In benchmarks/accelerator.py (2.15 GB beside 61 ms
+  steps, 2026-12-07) a snapshot took 3.0 s that way against 3.7-4.0 s one buffer at a time, and the
+  mean step was 96 ms against 113 (67 and 75 without snapshots): both slow the mean step, one at a
+  time more (docs/measurements.md says where that time goes, as far as it is known).
 
 ``host_copy`` is one array's copy. ``SnapshotCopy`` is one snapshot of this process's own shards on
-its way to the host: it waits for the step that computed them, then takes each shard's host copy in
-turn and lets go of that shard's device buffer at once (a snapshot
+its way to the host: it waits for the step that computed them, starts every shard's transfer, then
+takes each shard's host copy in turn and lets go of that shard's device buffer at once (a snapshot
 held until copied whole would hold a second copy of the state in device memory); it stops at the
 next shard when told to (an epoch being left does not wait for a copy it will not restore from).
 """
@@ -102,6 +103,9 @@ class SnapshotCopy(Generic[K]):
             return None
         self.phase, self.since = "copy", time.monotonic()
         began = self.since
+        for x in self._shards.values():
+            if x is not None:
+                x.copy_to_host_async()  # every transfer queued at once: back to back on the bus
         out: dict[K, np.ndarray] = {}
         for key in list(self._shards):
             if self._stop.is_set():
@@ -126,7 +130,7 @@ class SnapshotCopy(Generic[K]):
 
 def copies_of(shards: Mapping[K, jax.Array]) -> dict[K, np.ndarray]:
     """Host copies of ``shards`` that outlive their device buffers, made the way a snapshot's are
-    (one buffer at a time)."""
+    (every transfer started first, then each one taken)."""
     copies = SnapshotCopy(dict(shards), owned=True).run()
     assert copies is not None  # only a copy told to stop returns none
     return copies
