@@ -34,9 +34,9 @@ import grpc
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.detection import Job, run_trials  # noqa: E402  (the detection benchmark's job)
-from remesh.cli.certs import DevPki  # noqa: E402
 from remesh.cli.logs import configure_logging  # noqa: E402
 from remesh.embedded import RedisServer  # noqa: E402
+from remesh.embedded.certs import DevPki  # noqa: E402
 from remesh.embedded.cluster import LocalCluster  # noqa: E402
 from remesh.v1 import coordinator_pb2 as pb  # noqa: E402
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc  # noqa: E402

@@ -65,8 +65,8 @@ import grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from remesh.cli.certs import DevPki  # noqa: E402
 from remesh.embedded import bound_to_parent  # noqa: E402
+from remesh.embedded.certs import DevPki  # noqa: E402
 from remesh.v1.security import Role, Tls, aio_channel  # noqa: E402
 
 _METHOD = "/remesh.bench.Floor/Beat"

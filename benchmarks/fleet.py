@@ -497,7 +497,7 @@ async def _simulate(args: argparse.Namespace) -> None:
 class Fleet:
     """Simulated agents in ``processes`` simulator processes, talking to ``coordinator``.
 
-    ``pki``: a ``remesh.cli.certs.DevPki`` whose CA the coordinator trusts (each agent gets its own
+    ``pki``: a ``remesh.embedded.certs.DevPki`` whose CA the coordinator trusts (each agent gets its own
     certificate), or None for an insecure coordinator."""
 
     coordinator: str

@@ -10,7 +10,7 @@ Redis kill and restart, leader kill and restart, network cut, and a burst of two
 apart. Lost hosts are relaunched as spares so the job keeps its size. Then no more faults: the job
 trains to its last step, and every agent must exit 0 on its own.
 
-Invariants (see remesh.embedded.chaos): epochs strictly increase; replay(event log) == stored state
+Invariants (see benchmarks/chaos.py): epochs strictly increase; replay(event log) == stored state
 (at every quiet point and at the end); no member_dead for a host no fault touched (false eviction);
 every epoch live or superseded within a bound (hung epoch); a burst is one epoch (split burst); no
 checkpoint marker without a checkpoint_committed event of its epoch while current (stale commit);
@@ -40,10 +40,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from remesh.cli.logs import configure_logging
-from remesh.embedded.chaos import DEFAULT_WEIGHTS, FaultKind, Soak, SoakReport, SoakSettings
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.chaos import DEFAULT_WEIGHTS, FaultKind, Soak, SoakReport, SoakSettings  # noqa: E402
+from remesh.cli.logs import configure_logging  # noqa: E402
 
 
 def progress(message: str) -> None:

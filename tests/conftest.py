@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from remesh.embedded import RedisServer
-from remesh.embedded.redis_cluster import RedisClusterServers
 from tests.procs import Cluster, jax_port_base_of_worker
+from tests.redis_cluster import RedisClusterServers
 
 # Every coordinator a test starts (the tests', the demo's, the soak's) derives its JAX coordination
 # ports from this: the suite's parallel workers each get a range of their own, below Linux's

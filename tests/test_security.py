@@ -21,8 +21,8 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-from remesh.cli.certs import DevPki
 from remesh.coordinator.auth import POLICY, decide, identity_of
+from remesh.embedded.certs import DevPki
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
 from remesh.v1.security import Identity, Role

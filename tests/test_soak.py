@@ -1,8 +1,8 @@
 """The chaos soak: its invariant checks (pure, table-driven), its network cut, and a CI-sized soak.
 
-The checks of ``remesh.embedded.chaos`` judge ``benchmarks/soak.py`` and the soak below alike, so
+The checks of ``benchmarks/chaos.py`` judge ``benchmarks/soak.py`` and the soak below alike, so
 they are tested first on hand-made event logs: each must flag what it claims and nothing else. The
-proxy that cuts an agent off is tested against a real gRPC server. The soak itself runs the example
+proxy that cuts an agent off (``benchmarks/connect_proxy.py``) is tested against a real gRPC server. The soak itself runs the example
 trainer (3 hosts + a spare, 2 coordinator replicas with --ha, Redis with AOF) through one fault of
 each of seven kinds, injected at fixed steps (so the same faults on any machine; seed 16 stops the
 host of rank 0 for 3x the heartbeat timeout and cuts rank 0 off for ~2 s, the stale-writer
@@ -13,9 +13,8 @@ exiting 0.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import threading
+import socket
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -24,18 +23,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from remesh.coordinator.model import (
-    ClusterState,
-    Event,
-    EventType,
-    Member,
-    MemberState,
-    Role,
-    Topology,
-    TopologyMember,
-    replay,
-)
-from remesh.embedded.chaos import (
+from benchmarks.chaos import (
     Fault,
     FaultKind,
     Marker,
@@ -50,7 +38,18 @@ from remesh.embedded.chaos import (
     find_split_bursts,
     find_stale_commits,
 )
-from remesh.embedded.proxy import ConnectProxy
+from benchmarks.connect_proxy import ConnectProxy
+from remesh.coordinator.model import (
+    ClusterState,
+    Event,
+    EventType,
+    Member,
+    MemberState,
+    Role,
+    Topology,
+    TopologyMember,
+    replay,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -242,32 +241,6 @@ def test_the_schedule_is_a_pure_function_of_the_seed() -> None:
 # ---- the network cut ---------------------------------------------------------------------------------
 
 
-class _LoopThread:
-    """An event loop in a thread, to run the proxy beside synchronous gRPC calls."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def call(self, fn: object) -> None:
-        done = threading.Event()
-
-        def run() -> None:
-            fn()  # type: ignore[operator]
-            done.set()
-
-        self.loop.call_soon_threadsafe(run)
-        assert done.wait(5)
-
-    def run(self, coro: object) -> None:
-        asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)  # type: ignore[arg-type]
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-
-
 @pytest.fixture
 def health_server() -> Iterator[str]:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
@@ -281,9 +254,7 @@ def health_server() -> Iterator[str]:
 def test_the_proxy_carries_every_grpc_connection_until_cut_and_again_after_restore(
     health_server: str,
 ) -> None:
-    loop = _LoopThread()
-    proxy = ConnectProxy()
-    loop.run(proxy.start())
+    proxy = ConnectProxy([health_server])
     # The same channel argument the agent gets from grpc_proxy in its environment.
     channel = grpc.insecure_channel(health_server, options=[("grpc.http_proxy", f"http://{proxy.address}")])
     stub = health_pb2_grpc.HealthStub(channel)
@@ -293,11 +264,11 @@ def test_the_proxy_carries_every_grpc_connection_until_cut_and_again_after_resto
             == health_pb2.HealthCheckResponse.SERVING
         )
         assert proxy.opened == 1
-        loop.call(proxy.cut)
+        proxy.cut()
         with pytest.raises(grpc.RpcError) as cut:
             stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
         assert cut.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # silence, not a refusal
-        loop.call(proxy.restore)
+        proxy.restore()
 
         def back() -> bool:
             try:
@@ -312,8 +283,24 @@ def test_the_proxy_carries_every_grpc_connection_until_cut_and_again_after_resto
         assert proxy.opened >= 2  # a fresh connection: the one that lived through the cut was closed
     finally:
         channel.close()
-        loop.run(proxy.close())
-        loop.close()
+        proxy.close()
+
+
+def test_the_proxy_forwards_to_its_targets_only(health_server: str) -> None:
+    elsewhere = socket.create_server(("127.0.0.1", 0))  # another loopback service on this machine
+    with elsewhere, ConnectProxy([health_server]) as proxy:
+
+        def answer(target: str) -> bytes:
+            with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as client:
+                client.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
+                return client.recv(1024).split(b"\r\n", 1)[0]
+
+        assert answer(health_server) == b"HTTP/1.1 200 Connection established"
+        assert answer(f"127.0.0.1:{elsewhere.getsockname()[1]}") == b"HTTP/1.1 403 Forbidden"
+        assert answer("nowhere") == b"HTTP/1.1 403 Forbidden"  # no port: no target of its
+        assert proxy.opened == 1
+    with pytest.raises(ValueError, match="no target"):
+        ConnectProxy([])
 
 
 # ---- the soak ----------------------------------------------------------------------------------------

@@ -24,10 +24,10 @@ import numpy as np
 import pytest
 import redis
 
-from remesh.cli.certs import DevPki
 from remesh.coordinator.server import serve
 from remesh.coordinator.settings import Settings
 from remesh.embedded import RedisServer
+from remesh.embedded.certs import DevPki
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
 from remesh.v1.security import Role, aio_channel

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from remesh.embedded.certs import DevPki
 from remesh.v1.security import TRUST_DOMAIN, Role
 
 
@@ -36,8 +37,6 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from remesh.cli.certs import DevPki
-
     asked = [
         *((Role.COORDINATOR, n) for n in args.coordinator),
         *((Role.HOST, n) for n in args.host),

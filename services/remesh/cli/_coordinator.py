@@ -14,6 +14,7 @@ import structlog
 
 from remesh.cli.tls_options import add_tls_arguments, tls_from_args
 from remesh.coordinator.settings import PlannerSettings, Settings
+from remesh.embedded import RedisServer
 from remesh.v1.security import Tls
 
 log = structlog.get_logger("remesh.cli")
@@ -220,8 +221,6 @@ def run(args: argparse.Namespace) -> int:
     embedded = None
     redis_url = args.redis
     if redis_url == "embedded":
-        from remesh.embedded import RedisServer
-
         # On a Unix socket: a private server needs no TCP port (and some hosts allow none).
         embedded = RedisServer(unix=True).start()
         redis_url = embedded.url

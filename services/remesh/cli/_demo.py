@@ -23,7 +23,10 @@ import structlog
 from rich.console import Console
 from rich.table import Table
 
+from remesh.demo.display import Display
 from remesh.demo.report import PHASES, compare
+from remesh.demo.runner import DemoConfig, DemoError, DemoRun, Schedule
+from remesh.embedded import stop_on_sigterm
 
 log = structlog.get_logger("remesh.cli")
 
@@ -47,9 +50,6 @@ def _snapshot_every(text: str) -> str:
 
 
 def add_parser(sub: Any) -> None:
-    # Here, not at the top: remesh.demo.runner imports remesh.cli (event_dict), which imports this module.
-    from remesh.demo.runner import DemoConfig
-
     p: argparse.ArgumentParser = sub.add_parser(
         "demo",
         help="run an elastic JAX job here, fail hosts on purpose, watch remesh recover",
@@ -125,10 +125,6 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from remesh.demo.display import Display
-    from remesh.demo.runner import DemoConfig, DemoError, DemoRun, Schedule
-    from remesh.embedded import stop_on_sigterm
-
     console = Console(highlight=False)
     kill_at = (
         args.kill_at

@@ -19,12 +19,12 @@ from rich.console import Console
 from rich.table import Table
 
 from remesh.cli._top import furthest_step
-from remesh.cli.views import event_from_dict
 from remesh.coordinator import convert
 from remesh.coordinator.goodput import Goodput, compute, keep
 from remesh.coordinator.model import Event
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
+from remesh.views import event_from_dict
 
 __all__ = ["run_goodput"]
 

@@ -33,7 +33,12 @@ from remesh.cli._goodput import run_goodput
 from remesh.cli._top import run_top
 from remesh.cli.replay_check import compare
 from remesh.cli.tls_options import add_tls_arguments, tls_from_args
-from remesh.cli.views import (
+from remesh.coordinator import convert
+from remesh.coordinator.model import EventType, MemberState, replay
+from remesh.v1 import coordinator_pb2 as pb
+from remesh.v1 import coordinator_pb2_grpc as pb_grpc
+from remesh.v1.security import channel as channel_to
+from remesh.views import (
     enum_name,
     event_dict,
     event_line,
@@ -45,11 +50,6 @@ from remesh.cli.views import (
     state_text,
     topology_dict,
 )
-from remesh.coordinator import convert
-from remesh.coordinator.model import EventType, MemberState, replay
-from remesh.v1 import coordinator_pb2 as pb
-from remesh.v1 import coordinator_pb2_grpc as pb_grpc
-from remesh.v1.security import channel as channel_to
 
 __all__ = ["add_parsers"]
 

@@ -22,12 +22,12 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
-from remesh.cli.views import enum_name, event_dict, event_line, member_dict, members_table, safe
 from remesh.coordinator import convert
 from remesh.coordinator.goodput import compute, keep
 from remesh.coordinator.model import Event
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
+from remesh.views import enum_name, event_dict, event_line, member_dict, members_table, safe
 
 __all__ = ["Top", "furthest_step", "job_step", "run_top"]
 

@@ -25,8 +25,8 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from remesh.cli.views import event_from_dict
 from remesh.coordinator import goodput
+from remesh.views import event_from_dict
 
 __all__ = ["PHASES", "build_report", "compare", "step_records"]
 

