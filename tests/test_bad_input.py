@@ -232,7 +232,7 @@ def test_health_reflection_and_metrics_are_served(running: Cluster) -> None:
     ],
 )
 def test_metrics_bind_where_grpc_listens(listen: str, host: str) -> None:
-    from remesh.coordinator.server import listen_host
+    from remesh.coordinator.rpc import listen_host
 
     assert listen_host(listen) == host
 
@@ -259,8 +259,8 @@ def test_a_coordinator_fault_on_a_stream_acknowledgement_is_answered_at_once() -
     (a fault of the coordinator's own) is answered on the stream at once, UNKNOWN as the AckEpoch
     call would be, not left for the agent to give up on after seconds. Unit: the servicer's own
     handling, its coordinator replaced by one that fails."""
-    from remesh.coordinator.server import CoordinatorServicer
-    from remesh.coordinator.service import AgentStream
+    from remesh.coordinator.agent_stream import AgentStream
+    from remesh.coordinator.servicer import CoordinatorServicer
 
     class Failing:
         def _acknowledge(self, host_id: str, incarnation: int, ack: pb.AckEpochRequest) -> Any:

@@ -29,6 +29,7 @@ from remesh.coordinator.store import RedisStore
 from remesh.embedded import RedisServer
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1.security import Role
+from tests.in_process import live_job
 from tests.procs import Cluster, GrpcHost, Proc, assert_no_events, assert_quiet_takeover, hold, wait_for
 
 pytestmark = pytest.mark.integration
@@ -768,29 +769,11 @@ def test_every_survivors_report_of_a_failed_collective_costs_no_plan_of_its_own(
         return decision
 
     hosts = [f"host-{i}" for i in range(300)]
-    # Nobody is judged by silence here: the test sends no heartbeats after the first.
-    detector = DetectorSettings(suspect_after_s=60.0, heartbeat_timeout_s=120.0)
 
     async def scenario() -> tuple[int, list[Kind], Topology | None, float]:
-        settings = Settings(
-            job_id=job_id,
-            redis_url=redis_server.url,
-            detector=detector,
-            planner=PlannerSettings(world_size=len(hosts), jax_port_span=5000),
-        )
-        coordinator = Coordinator(settings, RedisStore(redis_server.url, job_id))
-        await coordinator.start()
-        try:
-            members = await asyncio.gather(
-                *(coordinator.register(h, MemberRole.ACTIVE, 1, "10.0.0.1") for h in hosts)
-            )
-            for m in members:
-                await coordinator.heartbeat(m.host_id, m.incarnation, -1)
-            await wait_async(lambda: coordinator.state.topology is not None, 30.0)
+        planner = PlannerSettings(world_size=len(hosts), jax_port_span=5000)
+        async with live_job(redis_server.url, job_id, hosts, planner) as (coordinator, members):
             epoch = coordinator.state.epoch
-            await asyncio.gather(
-                *(coordinator.ack_epoch(m.host_id, m.incarnation, epoch, 0, "fresh", {}) for m in members)
-            )
             monkeypatch.setattr(service_module, "plan", counted)
             t0 = time.monotonic()
             # Bounded, so that a call that never returns fails here, with its place, not at the
@@ -807,8 +790,6 @@ def test_every_survivors_report_of_a_failed_collective_costs_no_plan_of_its_own(
             await wait_async(lambda: coordinator.state.epoch > epoch, 10.0)
             took = time.monotonic() - t0
             return epoch, list(plans), coordinator.state.topology, took
-        finally:
-            await asyncio.wait_for(coordinator.stop(), 30.0)
 
     epoch, kinds, topology, took = asyncio.run(scenario())
     assert topology is not None and topology.epoch == epoch + 1

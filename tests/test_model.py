@@ -185,6 +185,53 @@ def test_a_fold_in_instalments_is_the_replay_and_leaves_its_start_alone(
     assert start == replay(log[:half])
 
 
+@given(st.lists(events, max_size=16), st.lists(st.integers(min_value=0, max_value=16), max_size=4))
+def test_every_state_a_fold_handed_out_stays_as_it_was_handed_out(log: list[Event], cuts: list[int]) -> None:
+    """A caller may keep any state ``Fold.add`` returned: folding more events changes none of them."""
+    log = _well_formed(log)
+    fold = Fold(ClusterState())
+    kept: list[tuple[ClusterState, str]] = []
+    bounds = [0, *sorted(c for c in cuts if c <= len(log)), len(log)]
+    for lo, hi in itertools.pairwise(bounds):
+        state = fold.add(log[lo:hi])
+        kept.append((state, json.dumps(state.to_dict(), sort_keys=True)))
+    for (state, handed_out), hi in zip(kept, bounds[1:], strict=True):
+        assert json.dumps(state.to_dict(), sort_keys=True) == handed_out
+        assert state == replay(log[:hi])
+
+
+def _acked(host: str) -> Event:
+    return Event(EventType.EPOCH_ACKED, 1.0, 1, f"{host} acknowledged", host, 1)
+
+
+def _joined(host: str) -> Event:
+    return Event(EventType.MEMBER_JOINED, 1.0, 0, "joined", host, 1, member=_member(host))
+
+
+def test_a_fold_copies_what_a_caller_holds_before_changing_it() -> None:
+    fold = Fold(ClusterState())
+    held = fold.add([_joined("a"), _acked("a")])
+    fold.add([_joined("b"), _acked("b")])
+    assert set(held.members) == set(held.acks) == {"a"}
+
+    # A mapping held alone, its state dropped, stays as it was too.
+    acks = fold.state.acks
+    fold.add([_acked("c")])
+    assert set(acks) == {"a", "b"} and set(fold.state.acks) == {"a", "b", "c"}
+
+
+def test_a_fold_whose_states_nobody_keeps_copies_nothing_after_its_first_change() -> None:
+    """A batch commit hands each change the state the ones before produced and keeps none of them:
+    10,000 acknowledgements so folded are one copy of the acknowledgements, not 10,000."""
+    fold = Fold(ClusterState())
+    fold.add([_acked("h0")])
+    copy = id(fold.state.acks)
+    for i in range(1, 10_000):
+        assert fold.state.acks.get(f"h{i}") is None  # what a transition reads of the state
+        fold.add([_acked(f"h{i}")])
+    assert id(fold.state.acks) == copy and len(fold.state.acks) == 10_000
+
+
 @given(st.lists(events, max_size=12), st.integers(min_value=0, max_value=12))
 def test_a_log_cut_behind_a_compaction_event_replays_to_the_same_state(log: list[Event], cut: int) -> None:
     """The store cuts the log behind a log_compacted event carrying the state so far: replaying what

@@ -22,7 +22,7 @@ import redis
 
 from remesh.coordinator import membership
 from remesh.coordinator.errors import StoreUnavailable
-from remesh.coordinator.model import ClusterState, Role
+from remesh.coordinator.model import ClusterState, Role, replay
 from remesh.coordinator.redis_connection import RedisConnection
 from remesh.coordinator.store import RedisStore
 from remesh.embedded import RedisExited, RedisServer, find_redis_server
@@ -115,7 +115,7 @@ async def _write_and_read(connection: RedisConnection, job_id: str) -> ClusterSt
     try:
         state, rev = await store.load()
         events, _ = membership.register(time.time(), state, "h1", Role.ACTIVE, 1, "10.0.0.1", 128)
-        await store.commit(rev, state, events)
+        await store.commit(rev, state, replay(events, state), events)
         return (await store.load())[0]
     finally:
         await store.close()

@@ -122,8 +122,8 @@ class CoordinatorMachine(RuleBasedStateMachine):
         events = events + plan_events(now, after, decision, self.planner, self.job_id)
         if not events:
             return
-        new_state, stored = self._run(self.store.commit(self.rev, self.state, events))
-        assert new_state == replay(events, self.state)
+        new_state = replay(events, self.state)
+        stored = self._run(self.store.commit(self.rev, self.state, new_state, events))
         assert [replace(e, id="") for e in stored] == events
         assert all(e.id for e in stored)
         self.tally = tally(new_state.members, self.tally, stored)
@@ -299,7 +299,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         before = self._run(self.store.load())
         event = Event(EventType.JOB_WAITING, self.now, self.state.epoch, "from a stale writer")
         with pytest.raises(Conflict):
-            self._run(self.store.commit(self.rev + offset, self.state, [event]))
+            self._run(self.store.commit(self.rev + offset, self.state, replay([event], self.state), [event]))
         assert self._run(self.store.load()) == before
         assert len(self._run(self.store.read_events())) == self.logged
 
@@ -404,7 +404,8 @@ async def _stale_commit(url: str, job_id: str) -> None:
     try:
         assert await store.load() == (ClusterState(), 0)
         events, _ = membership.register(1.0, ClusterState(), "h1", Role.ACTIVE, 1, "h1.local")
-        state, stored = await store.commit(0, ClusterState(), events)
+        state = replay(events)
+        stored = await store.commit(0, ClusterState(), state, events)
         assert state.members["h1"].state is MemberState.JOINING
         assert len(stored) == 1 and stored[0].id
         assert await store.load() == (state, 1)
@@ -412,13 +413,14 @@ async def _stale_commit(url: str, job_id: str) -> None:
         # Planned at revision 0, but the store is at 1 now: refused, and nothing is written.
         late, _ = membership.register(2.0, ClusterState(), "h2", Role.ACTIVE, 1, "h2.local")
         with pytest.raises(Conflict, match="revision 1"):
-            await store.commit(0, ClusterState(), late)
+            await store.commit(0, ClusterState(), replay(late), late)
         assert await store.load() == (state, 1)
         assert [e.id for e in await store.read_events()] == [stored[0].id]
 
         # From the right revision the same change goes through.
         late, _ = membership.register(2.0, state, "h2", Role.ACTIVE, 1, "h2.local")
-        state2, _ = await store.commit(1, state, late)
+        state2 = replay(late, state)
+        await store.commit(1, state, state2, late)
         assert await store.load() == (state2, 2)
         assert replay(await store.read_events()) == state2
     finally:

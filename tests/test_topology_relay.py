@@ -18,7 +18,7 @@ from benchmarks.fleet import Fleet, host_ids
 from remesh.coordinator.auth import Authorizer
 from remesh.coordinator.metrics import RelayMetrics
 from remesh.coordinator.relay import RelayServicer
-from remesh.coordinator.server import add_servicer
+from remesh.coordinator.rpc import add_servicer
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
 from remesh.v1 import deltas

@@ -4,9 +4,14 @@ Layers, inner to outer (an inner one never imports an outer one):
 
 - ``model``, ``membership``, ``detector``, ``planner``: the pure core — data, transitions, verdicts,
   decisions. No I/O, no clock.
-- ``store``: Redis (atomic commits, the event stream).
-- ``service``: the asyncio engine that runs the core against the store and keeps liveness in memory.
-- ``convert``, ``server``: the gRPC adapter.
+- ``store``, ``state_codec``: Redis (atomic commits, the event stream; the state's layout in it).
+- ``service``, ``agent_stream``, ``doorbell``: the asyncio engine that runs the core against the
+  store, keeps liveness in memory and queues commands on agents' streams.
+- ``convert``, ``fanout``, ``rpc``: gRPC building blocks (protobuf translation, topologies encoded
+  once for many streams; admission, statuses, binding, server options). A topology relay
+  (``relay``) is built from these alone.
+- ``servicer``: the Coordinator service's handlers, on the engine.
+- ``server``: the coordinator process wired together (``serve``).
 """
 
 from typing import TYPE_CHECKING, Any

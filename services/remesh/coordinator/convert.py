@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from remesh.coordinator.agent_stream import Command
 from remesh.coordinator.model import Event, EventType, Member, MemberState, Role, Topology, TopologyMember
 from remesh.v1 import coordinator_pb2 as pb
 
 __all__ = [
+    "command_to_pb",
     "event_from_pb",
     "event_to_pb",
     "event_type_from_pb",
@@ -30,6 +32,19 @@ _ROLE_BACK = {v: k for k, v in _ROLE.items()}
 _STATE_BACK: dict[int, MemberState] = {v: k for k, v in _STATE.items()}
 _EVENT = {t: getattr(pb, f"EVENT_TYPE_{t.name}") for t in EventType}
 _EVENT_BACK: dict[int, EventType] = {v: k for k, v in _EVENT.items()}
+_COMMAND = {
+    Command.REREGISTER: pb.COMMAND_REREGISTER,
+    Command.DRAIN: pb.COMMAND_DRAIN,
+    Command.FINISHED: pb.COMMAND_FINISHED,
+}
+
+
+def command_to_pb(command: Command) -> pb.Command:
+    """A command as its agent receives it. NOT_LEADER has none: it ends the stream with a status."""
+    try:
+        return _COMMAND[command]
+    except KeyError:
+        raise ValueError(f"{command} is not sent to an agent: it ends the stream with a status") from None
 
 
 def role_from_pb(value: int) -> Role:

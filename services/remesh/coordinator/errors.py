@@ -18,7 +18,7 @@
             └── Fenced        the store refused a write: another replica       trailing metadata
                               holds a newer lease (this one steps down)        ``remesh-leader``
 
-The gRPC status of each is chosen in one place, ``remesh.coordinator.server``.
+The gRPC status of each is chosen in one place, ``remesh.coordinator.rpc``.
 """
 
 from __future__ import annotations

@@ -10,10 +10,11 @@ from __future__ import annotations
 import enum
 import functools
 import json
+import sys
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, cast
 
 __all__ = [
     "ADDRESS_REFUSED",
@@ -188,7 +189,7 @@ class Topology:
         return len(self.members)
 
     # Computed once per topology (it never changes): every acknowledgement, plan and detector tick
-    # asks, and at thousands of members each answer was a walk of the list.
+    # asks, and at thousands of members a walk of the list for each answer adds up.
     @functools.cached_property
     def host_ids(self) -> tuple[str, ...]:
         return tuple(m.host_id for m in self.members)
@@ -205,7 +206,7 @@ class Topology:
 
     def to_dict(self) -> dict[str, Any]:
         # Field by field, not ``dataclasses.asdict``: a new epoch's topology is encoded for its event and
-        # for the store, and asdict's deep copy of 5000 members took 0.1-0.2 s each time.
+        # for the store, and asdict's deep copy of 5000 members takes 0.1-0.2 s each time.
         d = _fields_of(self)
         d["members"] = tuple(_fields_of(m) for m in self.members)
         if self.commits:
@@ -293,32 +294,23 @@ class ClusterState:
     # a message from a forgotten incarnation is never taken for a new one.
     incarnation_floor: int = 0
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "members": {h: m.to_dict() for h, m in sorted(self.members.items())},
-            "topology": self.topology.to_dict() if self.topology is not None else None,
-            "waiting_since": self.waiting_since,
-            "live_epoch": self.live_epoch,
-            "acks": dict(sorted(self.acks.items())),
-            "address_refused_epoch": self.address_refused_epoch,
-            "commits": [list(c) for c in self.commits],
-            "finished_step": self.finished_step,
-            "incarnation_floor": self.incarnation_floor,
-        }
+    def to_dict(self, names: Iterable[str] | None = None) -> dict[str, Any]:
+        """The state's fields (those of ``names``, else all) as JSON values: ``from_dict``'s input."""
+        return {n: _STATE_FIELDS[n][0](getattr(self, n)) for n in (_STATE_FIELDS if names is None else names)}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ClusterState:
-        return cls(
-            members={h: Member.from_dict(m) for h, m in d["members"].items()},
-            topology=Topology.from_dict(d["topology"]) if d["topology"] else None,
-            waiting_since=d["waiting_since"],
-            live_epoch=int(d["live_epoch"]),
-            acks={h: int(e) for h, e in d["acks"].items()},
-            address_refused_epoch=int(d["address_refused_epoch"]),
-            commits=tuple((int(s), int(e)) for s, e in d["commits"]),
-            finished_step=int(d["finished_step"]),
-            incarnation_floor=int(d.get("incarnation_floor", 0)),
-        )
+        """The state ``to_dict`` wrote; a field it leaves out (one written before the field was) is
+        the field's default."""
+        return cls(**{n: decode(d[n]) for n, (_, decode) in _STATE_FIELDS.items() if n in d})
+
+    def to_json(self) -> str:
+        """The state as a log_compacted event carries it (``from_json`` reads it back)."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> ClusterState:
+        return cls.from_dict(json.loads(raw))
 
     @property
     def epoch(self) -> int:
@@ -333,10 +325,36 @@ class ClusterState:
         return self.finished_step >= 0
 
 
+# Every field of ClusterState as JSON (``ClusterState.to_dict``), and back. The one place a field is
+# spelled out: a log_compacted event carries the state in this form, and the store keeps the fields
+# besides the members, the topology and the acknowledgements in its meta hash in it
+# (``remesh.coordinator.state_codec``). A new field needs an entry here, and nothing else to be stored.
+_STATE_FIELDS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]] = {
+    "members": (
+        lambda members: {h: m.to_dict() for h, m in sorted(members.items())},
+        lambda d: {h: Member.from_dict(m) for h, m in d.items()},
+    ),
+    "topology": (
+        lambda t: t.to_dict() if t is not None else None,
+        lambda d: Topology.from_dict(d) if d else None,
+    ),
+    "waiting_since": (lambda t: t, lambda t: float(t) if t is not None else None),
+    "live_epoch": (lambda e: e, int),
+    "acks": (lambda acks: dict(sorted(acks.items())), lambda d: {h: int(e) for h, e in d.items()}),
+    "address_refused_epoch": (lambda e: e, int),
+    "commits": (
+        lambda commits: [list(c) for c in commits],
+        lambda d: tuple((int(step), int(epoch)) for step, epoch in d),
+    ),
+    "finished_step": (lambda step: step, int),
+    "incarnation_floor": (lambda n: n, int),
+}
+
+
 def apply(state: ClusterState, event: Event) -> ClusterState:
     """Fold one event into the state. Pure: the same inputs always give the same output."""
     if event.type is EventType.LOG_COMPACTED:
-        return ClusterState.from_dict(json.loads(event.details["state"]))
+        return ClusterState.from_json(event.details["state"])
     if event.type is EventType.MEMBER_FORGOTTEN:
         kept = {h: m for h, m in state.members.items() if h != event.host_id}
         acks = {h: e for h, e in state.acks.items() if h != event.host_id}
@@ -415,7 +433,7 @@ def tally(members: Mapping[str, Member], since: Tally | None = None, events: Ite
     """``members`` counted by state and role. Given ``since``, the tally of the mapping ``events``
     turned into ``members``, only the hosts those events name are looked at: a fleet of thousands
     commits a few members at a time, and counting all of them for each commit (the planner while
-    forming, the gauges) made the commits of a forming job quadratic in its size."""
+    forming, the gauges) would make the commits of a forming job quadratic in its size."""
     if since is None:
         return Tally(members, Counter((m.state, m.role) for m in members.values()))
     if since.of is members:
@@ -461,33 +479,48 @@ def replay(events: Iterable[Event], start: ClusterState | None = None) -> Cluste
     return Fold(start or ClusterState()).add(events)
 
 
+def _refs(obj: object) -> int:
+    """How many references hold ``obj``, this call's own left out (CPython's count). Pass an
+    attribute, not a local variable: a local is one more holder."""
+    return sys.getrefcount(obj) - _CALL
+
+
+# The references a call of ``_refs`` adds itself (its parameter, getrefcount's argument), measured on
+# an object nothing else holds: interpreters differ in how they count an argument.
+_CALL = 0
+_CALL = _refs(object())
+
+
 class Fold:
     """``replay`` in instalments: ``add`` folds a batch of events into the state that the batches
-    before it produced. The members and the acknowledgements are copied the first time an event
-    changes them and changed in place after that, across batches: a batch commit of 10,000
-    acknowledgements, each checked against the state the ones before it made, copies the
-    acknowledgements once, not once each.
+    before it produced. A state it hands out (``state``, what ``add`` returns) never changes after,
+    and neither does the state it started from.
 
-    So every state it hands out shares those copies with the ones after it: only the newest is
-    the state it says (the state it started from is never changed)."""
+    A batch commit checks each of its changes against the state the ones before it produced: 10,000
+    acknowledgements, each on a state with a copy of the acknowledgements of its own, would copy them
+    10,000 times. So the fold changes the members or the acknowledgements it copied in place while
+    nothing but the fold holds them or the state around them, and copies them first once anything
+    else does (CPython's reference counts say which): a state handed out and dropped again, as a
+    transition drops the state it was given, costs no copy; one that is kept, one copy."""
 
     def __init__(self, start: ClusterState) -> None:
         self.state = start
-        # The mappings this fold copied itself, and may change in place.
-        self._members: dict[str, Member] | None = None
-        self._acks: dict[str, int] | None = None
+        # The mappings of the state this fold copied itself ("members", "acks"): changed in place
+        # while nothing else holds them or the state.
+        self._mine: dict[str, dict[str, Any] | None] = {"members": None, "acks": None}
 
-    def _own_members(self) -> dict[str, Member]:
-        if self._members is None or self.state.members is not self._members:
-            self._members = dict(self.state.members)
-            self.state = replace(self.state, members=self._members)
-        return self._members
-
-    def _own_acks(self) -> dict[str, int]:
-        if self._acks is None or self.state.acks is not self._acks:
-            self._acks = dict(self.state.acks)
-            self.state = replace(self.state, acks=self._acks)
-        return self._acks
+    def _own(self, name: str) -> dict[str, Any]:
+        """The state's mapping ``name``, to change: in place where nobody else can see it change."""
+        if (
+            self._mine[name] is None
+            or getattr(self.state, name) is not self._mine[name]
+            or _refs(self.state) > 1  # held by this fold only
+            or _refs(self._mine[name]) > 2  # by this fold and its state only, no other state
+        ):
+            self._mine[name] = copied = dict(getattr(self.state, name))
+            changes: dict[str, Any] = {name: copied}
+            self.state = replace(self.state, **changes)
+        return cast(dict[str, Any], self._mine[name])
 
     def add(self, events: Iterable[Event]) -> ClusterState:
         for event in events:
@@ -495,9 +528,9 @@ class Fold:
                 self.state = apply(self.state, event)
                 continue
             if event.member is not None:
-                self._own_members()[event.member.host_id] = event.member
+                self._own("members")[event.member.host_id] = event.member
             if event.type is EventType.EPOCH_ACKED:
-                self._own_acks()[event.host_id] = event.epoch
+                self._own("acks")[event.host_id] = event.epoch
             elif event.type in _FOLDED_FIELDS:
                 # Its member (if any) is in the members already: apply folds the rest.
                 self.state = apply(

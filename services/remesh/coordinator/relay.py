@@ -29,8 +29,10 @@ import grpc
 import structlog
 
 from remesh.coordinator.auth import Authorizer
+from remesh.coordinator.doorbell import Doorbell
+from remesh.coordinator.fanout import EncodedTopology
 from remesh.coordinator.metrics import RelayMetrics
-from remesh.coordinator.server import EncodedTopology, add_servicer, bind, grpc_server_options, listen_host
+from remesh.coordinator.rpc import add_servicer, bind, grpc_server_options, listen_host
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
 from remesh.v1.security import Tls, aio_channel
@@ -48,7 +50,7 @@ class _Lost(Exception):
 
 class RelayServicer(pb_grpc.TopologyRelayServicer):
     """The relay's side of its followers: the newest topology it got from the coordinator, encoded
-    once per epoch (and once per delta base) for every follower, and a doorbell per waiting stream."""
+    once per epoch (and once per delta base) for every follower, and the doorbell they wait on."""
 
     def __init__(self, auth: Authorizer, keepalive_s: float, metrics: RelayMetrics | None = None) -> None:
         self.auth = auth
@@ -58,7 +60,7 @@ class RelayServicer(pb_grpc.TopologyRelayServicer):
         self.metrics.followers.set_function(lambda: self.followers)
         # The current topology with its replies, encoded; None: not following the coordinator now.
         self._encoded: EncodedTopology | None = None
-        self._bells: set[asyncio.Future[bool]] = set()
+        self._bell = Doorbell()
         self._generation = 0  # bumped when the coordinator is lost: older streams end
         self._loss = ""
 
@@ -73,7 +75,7 @@ class RelayServicer(pb_grpc.TopologyRelayServicer):
             return
         self.metrics.epoch.set(topology.epoch)
         self._encoded = EncodedTopology.of(topology)
-        self._ring()
+        self._bell.ring()
 
     def lost(self, reason: str) -> None:
         """The coordinator's stream ended: every follower served a topology goes back to its heartbeat
@@ -85,25 +87,7 @@ class RelayServicer(pb_grpc.TopologyRelayServicer):
         self.metrics.losses.inc()
         self._loss = reason
         self._generation += 1
-        self._ring()
-
-    def _ring(self) -> None:
-        bells, self._bells = self._bells, set()
-        for bell in bells:
-            if not bell.done():
-                bell.set_result(True)
-
-    async def _wait(self) -> bool:
-        """Until a new topology or a loss (True), or a keepalive period with neither (False)."""
-        loop = asyncio.get_running_loop()
-        bell: asyncio.Future[bool] = loop.create_future()
-        self._bells.add(bell)
-        timer = loop.call_later(self.keepalive_s, _quiet, bell)
-        try:
-            return await bell
-        finally:
-            timer.cancel()
-            self._bells.discard(bell)
+        self._bell.ring()
 
     async def FollowTopology(
         self, request: pb.FollowTopologyRequest, context: grpc.aio.ServicerContext
@@ -120,17 +104,13 @@ class RelayServicer(pb_grpc.TopologyRelayServicer):
                     yield encoded.reply(sent if request.topology_deltas else None)
                     sent = encoded.message
                     continue
-                if not await self._wait():
+                # Until a new topology or a loss, or a keepalive period with neither.
+                if not await self._bell.wait(self.keepalive_s):
                     yield _KEEPALIVE
         except _Lost as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{exc}: follow the coordinator meanwhile")
         finally:
             self.followers -= 1
-
-
-def _quiet(bell: asyncio.Future[bool]) -> None:
-    if not bell.done():
-        bell.set_result(False)
 
 
 async def follow_coordinator(
@@ -208,8 +188,8 @@ class RunningRelay:
 
 def relay_server_options(max_followers: int, follower_timeout_s: float) -> list[tuple[str, int]]:
     """A relay's gRPC server options: a follower that leaves what the relay wrote unread for
-    ``follower_timeout_s`` loses its connection (at 10,000 hosts, gRPC's 20 s aborted thousands of
-    busy followers' connections, and each then took its topologies from the coordinator)."""
+    ``follower_timeout_s`` loses its connection (at 10,000 hosts gRPC's 20 s aborts thousands of busy
+    followers' connections, and each of them then takes its topologies from the coordinator)."""
     return grpc_server_options(max_followers, follower_timeout_s)
 
 

@@ -1,9 +1,10 @@
 """The coordinator engine: a thin asyncio shell around the pure core.
 
 It holds what must be fast in memory (liveness from heartbeats, open agent streams, topology
-watchers), and funnels every state change through ``_change``: observe the current state, run a pure
-transition and the planner, commit all events in one atomic Redis step, then publish. The gRPC layer
-(``server.py``) only translates requests into calls on this class.
+watchers), and funnels every state change through ``_commit``: observe the current state, fold the
+events of a pure transition into it, plan from the state they fold to, commit all events in one
+atomic Redis step, then publish. The gRPC layer (``servicer``) only translates requests into calls
+on this class.
 
 With several replicas exactly one leads (``remesh.coordinator.leadership``). A follower mirrors the
 stored state for reads and topology watches and answers every write with ``NotLeader`` naming the
@@ -13,18 +14,18 @@ leader. A replica that takes over grants every member a fresh deadline before ju
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import json
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import structlog
 
 from remesh.coordinator import goodput, membership
+from remesh.coordinator.agent_stream import AgentStream, Command
 from remesh.coordinator.detector import Liveness, Stall, Verdict, judge, judge_stalls
+from remesh.coordinator.doorbell import Doorbell
 from remesh.coordinator.errors import (
     Conflict,
     CoordinatorError,
@@ -46,7 +47,6 @@ from remesh.coordinator.model import (
     Role,
     Tally,
     Topology,
-    replay,
     tally,
 )
 from remesh.coordinator.planner import Broken, Decision, Kind, plan, plan_events
@@ -54,7 +54,7 @@ from remesh.coordinator.settings import Settings
 from remesh.coordinator.store import RedisStore
 from remesh.v1.contract import recovery_id
 
-__all__ = ["AgentStream", "Coordinator"]
+__all__ = ["Coordinator"]
 
 log = structlog.get_logger("remesh.coordinator")
 
@@ -91,65 +91,35 @@ class _ChangeLogger:
             log.info(message, **kw)
 
 
-@dataclass(eq=False)  # one stream is itself only: two of the same host are never equal
-class AgentStream:
-    """One open heartbeat stream: the commands queued for its agent, the answers to the
-    acknowledgements it carried, and a doorbell its handler waits on for them, a new topology, or its
-    agent's end.
-
-    A new epoch reaches thousands of streams: ringing each is setting one future, where a task per
-    stream watching the topology cost each of them task switches and an ``asyncio.wait``."""
-
-    host_id: str
-    incarnation: int
-    commands: collections.deque[tuple[str, str]] = field(default_factory=collections.deque)
-    # Answers to the acknowledgements the stream carried, encoded by the server, to write in order.
-    replies: collections.deque[Any] = field(default_factory=collections.deque)
-    # Its agent takes topologies from a relay (HeartbeatRequest.topology_from_relay): none written here.
-    from_relay: bool = False
-    _bell: asyncio.Future[bool] | None = None
-
-    def command(self, command: str, reason: str) -> None:
-        self.commands.append((command, reason))
-        self.ring()
-
-    def reply(self, message: Any) -> None:
-        self.replies.append(message)
-        self.ring()
-
-    def ring(self) -> None:
-        """Wake the handler if it waits (if not, it looks at everything before it waits again)."""
-        bell = self._bell
-        if bell is not None and not bell.done():
-            bell.set_result(True)
-
-    async def wait(self, quiet_s: float) -> bool:
-        """Until ``ring()`` (True), or ``quiet_s`` seconds with nothing (False). One future and one
-        timer: cheaper than ``asyncio.timeout`` around a wait, per stream and keepalive."""
-        loop = asyncio.get_running_loop()
-        bell = self._bell = loop.create_future()
-        timer = loop.call_later(quiet_s, _quiet, bell)
-        try:
-            return await bell
-        finally:
-            timer.cancel()
-            self._bell = None
+# A change as the write path (``Coordinator._commit``) runs it: it folds its events into the fold
+# of the current state it is given (each transition of it sees the state the ones before produced),
+# and returns them with what answers its caller.
+_Change = Callable[[Fold, float], tuple[list[Event], T]]
 
 
-def _quiet(bell: asyncio.Future[bool]) -> None:
-    if not bell.done():
-        bell.set_result(False)
+def _folded(transition: Callable[[ClusterState, float], tuple[list[Event], T]]) -> _Change[T]:
+    """One transition as a change."""
+
+    def change(fold: Fold, now: float) -> tuple[list[Event], T]:
+        events, answer = transition(fold.state, now)
+        fold.add(events)
+        return events, answer
+
+    return change
 
 
-def _declare_all(now: float, state: ClusterState, verdicts: list[Verdict]) -> list[Event]:
+def _declare_all(verdicts: list[Verdict]) -> _Change[None]:
     """The events of every verdict, each checked against the state the ones before it produced."""
-    events: list[Event] = []
-    fold = Fold(state)
-    for v in verdicts:
-        found = membership.declare(now, fold.state, v.host_id, v.incarnation, v.state, v.reason)
-        fold.add(found)
-        events += found
-    return events
+
+    def change(fold: Fold, now: float) -> tuple[list[Event], None]:
+        events: list[Event] = []
+        for v in verdicts:
+            found = membership.declare(now, fold.state, v.host_id, v.incarnation, v.state, v.reason)
+            fold.add(found)
+            events += found
+        return events, None
+
+    return change
 
 
 @dataclass
@@ -229,10 +199,9 @@ class Coordinator:
         self._epoch_reached = -1
         self._goodput_at = 0.0
         self._queue_writer: asyncio.Task[None] | None = None
-        # Set (and replaced by a fresh one) when the topology may have changed: every watcher (a
-        # heartbeat stream each) wakes at once. A Condition woke them one after another, each
-        # taking its lock in turn: 2000 streams were a chain of 2000 loop iterations per epoch.
-        self._topology_changed = asyncio.Event()
+        # Rung when the topology may have changed: every topology watcher wakes at once (heartbeat
+        # streams have doorbells of their own, rung with it).
+        self._topology_changed = Doorbell()
         self._tasks: list[asyncio.Task[None]] = []
         self._store_down = False
         self._plan_log = _ChangeLogger()
@@ -343,7 +312,7 @@ class Coordinator:
         self._dirty_steps = {}
         # Agents streaming to this replica must find the new leader.
         for stream in self._every_stream():
-            stream.command("not_leader", reason)
+            stream.command(Command.NOT_LEADER, reason)
 
     async def _mirror(self) -> None:
         """A follower's view of the stored state, for reads and topology watches."""
@@ -372,14 +341,14 @@ class Coordinator:
 
     async def _change(self, transition: Callable[[ClusterState, float], list[Event]]) -> list[Event]:
         """Run ``transition`` on the current state, plan, and commit the events in one atomic step."""
-        stored, _ = await self._change_with(lambda s, now: (transition(s, now), None))
+        stored, _ = await self._commit(_folded(lambda s, now: (transition(s, now), None)))
         return stored
 
-    async def _change_with(
-        self, transition: Callable[[ClusterState, float], tuple[list[Event], T]]
-    ) -> tuple[list[Event], T]:
-        """``_change`` for a transition that also answers the caller: the events committed, and what
-        the transition returned beside its events (from its last run: a conflict runs it again)."""
+    async def _commit(self, change: _Change[T]) -> tuple[list[Event], T]:
+        """Run ``change`` on a fold of the current state, plan from the state it folded to, and
+        commit its events and the plan's in one atomic step: every event is folded once, here, and
+        the store writes the state folded. Returns the events committed and what the change
+        returned beside them (from its last run: a conflict runs it again)."""
         if not self.leading:
             raise self.not_leader()
         async with self._lock:
@@ -388,7 +357,8 @@ class Coordinator:
                     raise self.not_leader()
                 now = self._clock()
                 self._plan_now = False
-                events, answer = transition(self.state, now)
+                fold = Fold(self.state)
+                events, answer = change(fold, now)
                 planned: list[Event] = []
                 # A change with no events on a settled state changes nothing a plan reads, held or
                 # not (the clock is the detector's ticks' to watch): planned only when its
@@ -398,7 +368,7 @@ class Coordinator:
                     and (not self._replan or not events)
                     and all(e.type in _PLAN_NEUTRAL for e in events)
                 ):
-                    after = replay(events, self.state)
+                    after = fold.state
                     ready = self._ready(after, events)
                     decision = plan(
                         now,
@@ -416,14 +386,16 @@ class Coordinator:
                         "planner", decision=decision.kind.value, reason=decision.reason, epoch=after.epoch
                     )
                     planned = plan_events(now, after, decision, self.settings.planner, self.settings.job_id)
+                    fold.add(planned)
                 events = events + planned
                 if not events:
                     self._settled = self.state
                     return [], answer
                 try:
-                    before = self.state
-                    self.state, stored = await self.store.commit(self._rev, before, events)
-                    self._tally = self._tally_of(self.state, stored, before)
+                    before, after = self.state, fold.state
+                    stored = await self.store.commit(self._rev, before, after, events)
+                    self.state = after
+                    self._tally = self._tally_of(after, stored, before)
                 except Conflict:
                     # Someone else wrote first: observe again and re-plan from what is stored.
                     log.warning("store changed under us; reloading", attempt=attempt)
@@ -479,22 +451,22 @@ class Coordinator:
             if member is not None and member.state in (MemberState.DEAD, MemberState.LEFT):
                 self._liveness.pop(member.host_id)
                 self._idle.discard(member.host_id)
-                self._send(member.host_id, member.incarnation, "reregister", member.reason)
+                self._send(member.host_id, member.incarnation, Command.REREGISTER, member.reason)
             if member is not None and member.state is MemberState.DRAINING:
-                self._send(member.host_id, member.incarnation, "drain", member.reason)
+                self._send(member.host_id, member.incarnation, Command.DRAIN, member.reason)
             if event.type in (EventType.TOPOLOGY_CHANGED, EventType.JOB_HALTED):
                 self.metrics.epochs_published.inc()
                 self._count_reforms(event)
             if event.type is EventType.JOB_FINISHED:
                 for stream in self._every_stream():
-                    stream.command("finished", event.reason)
+                    stream.command(Command.FINISHED, event.reason)
         if any(e.type in (EventType.TOPOLOGY_CHANGED, EventType.JOB_HALTED) for e in events):
             self._stalls = {}
             self._broken = {e: said for e, said in self._broken.items() if e >= self.state.epoch}
             self._topology_may_have_changed()
         self._update_gauges()
 
-    def _send(self, host_id: str, incarnation: int, command: str, reason: str) -> None:
+    def _send(self, host_id: str, incarnation: int, command: Command, reason: str) -> None:
         for stream in self._streams.get(host_id, ()):
             if stream.incarnation == incarnation:
                 stream.command(command, reason)
@@ -606,7 +578,7 @@ class Coordinator:
         if verdicts:
             # Every verdict of this tick in one commit, planned together: hosts lost together (a rack,
             # a switch) make one new epoch, not one each.
-            stored = await self._change(lambda s, t: _declare_all(t, s, verdicts))
+            stored, _ = await self._commit(_declare_all(verdicts))
             declared = {e.host_id for e in stored if e.type is EventType.MEMBER_DEAD}
             for verdict in verdicts:
                 if verdict.state is MemberState.DEAD and verdict.host_id in declared:
@@ -689,7 +661,7 @@ class Coordinator:
                 self.state.epoch,
                 f"the event log was cut at {folded} events (--max-events {self.settings.max_events}): "
                 "this event holds the state they fold to",
-                details={"state": json.dumps(self.state.to_dict(), sort_keys=True, separators=(",", ":"))},
+                details={"state": self.state.to_json()},
             )
             try:
                 stored = await self.store.compact(self._rev, event)
@@ -765,7 +737,7 @@ class Coordinator:
         if seen is not None and seen.incarnation == incarnation:
             self._liveness.set(host_id, replace(seen, stream_broken_at=None))
         if self.state.finished:
-            stream.command("finished", self._finished_reason())
+            stream.command(Command.FINISHED, self._finished_reason())
         return stream
 
     def _finished_reason(self) -> str:
@@ -836,7 +808,7 @@ class Coordinator:
             )
             return result.events + halt, result
 
-        _, outcome = await self._change_with(transition)
+        _, outcome = await self._commit(_folded(transition))
         return outcome
 
     async def ack_epoch(
@@ -869,12 +841,13 @@ class Coordinator:
         return self.state.live_epoch >= epoch
 
     async def _batched(self, transition: Callable[[ClusterState, float], tuple[list[Event], T]]) -> T:
-        """``_change_with``, committed together with every other change queued meanwhile.
+        """``transition`` committed (``_commit``) together with every other change queued meanwhile;
+        what it returned beside its events, or its refusal.
 
         Fleets do things together: a new epoch of N members is N acknowledgements at once, a job
-        forming is N registrations and N first heartbeats. One commit each made the last wait for
-        every other's round trip to Redis (and a plan each). Each transition still sees the state
-        the ones before it produced, and a refusal answers its own caller only."""
+        forming is N registrations and N first heartbeats. With one commit each, the last would wait
+        for every other's round trip to Redis (and a plan each). Each transition still sees the
+        state the ones before it produced, and a refusal answers its own caller only."""
         queued = _Queued(transition, asyncio.get_running_loop().create_future())
         self._queue.append(queued)
         if self._queue_writer is None or self._queue_writer.done():
@@ -886,12 +859,11 @@ class Coordinator:
         while self._queue:
             batch, self._queue = self._queue, []
 
-            def transition(
-                s: ClusterState, now: float, batch: list[_Queued] = batch
+            def change(
+                fold: Fold, now: float, batch: list[_Queued] = batch
             ) -> tuple[list[Event], list[tuple[bool, Any]]]:
                 events: list[Event] = []
                 answers: list[tuple[bool, Any]] = []
-                fold = Fold(s)
                 for queued in batch:
                     if queued.answer.done():
                         # Its caller went away before the commit (a deadline ran out in a registration
@@ -911,7 +883,7 @@ class Coordinator:
                 return events, answers
 
             try:
-                _, answers = await self._change_with(transition)
+                _, answers = await self._commit(change)
             except Exception as exc:  # the whole commit failed (Redis down, deposed): everyone hears it
                 for queued in batch:
                     if not queued.answer.done():
@@ -999,7 +971,7 @@ class Coordinator:
                 now, s, host_id, incarnation, epoch, tier, detail, noted, self._max_id
             )
 
-        _, reason = await self._change_with(transition)
+        _, reason = await self._commit(_folded(transition))
         return reason
 
     def _noted_tiers(self, host_id: str, incarnation: int) -> frozenset[str]:
@@ -1011,8 +983,7 @@ class Coordinator:
         return self._steps.get(host_id, -1)
 
     def _topology_may_have_changed(self) -> None:
-        changed, self._topology_changed = self._topology_changed, asyncio.Event()
-        changed.set()
+        self._topology_changed.ring()
         for stream in self._every_stream():
             stream.ring()
 

@@ -4,9 +4,9 @@ Layout (every key shares the hash tag ``{JOB}``, so a job lives in one Redis Clu
 
     remesh:{JOB}:members    hash    host_id -> Member JSON
     remesh:{JOB}:topology   string  Topology JSON (its epoch inside)
-    remesh:{JOB}:meta       hash    rev (commits so far), waiting_since, live_epoch,
-                                    address_refused_epoch, checkpoints (accepted checkpoint
-                                    commits, JSON), finished_step, incarnation_floor
+    remesh:{JOB}:meta       hash    rev (commits so far), and every other field of the state:
+                                    waiting_since, live_epoch, address_refused_epoch, checkpoints
+                                    (accepted checkpoint commits), finished_step, incarnation_floor
     remesh:{JOB}:acks       hash    host_id -> epoch acknowledged (current epoch's members)
     remesh:{JOB}:events     stream  one entry per Event, field "e" = Event JSON
     remesh:{JOB}:progress   hash    host_id -> last step (flushed in batches, not an event)
@@ -14,6 +14,7 @@ Layout (every key shares the hash tag ``{JOB}``, so a job lives in one Redis Clu
     remesh:{JOB}:leader_address  string  where the leader serves (same expiry as the lease)
     remesh:{JOB}:fence      string  the last fencing token issued (INCR per acquisition)
 
+The state's records and fields are written and read as ``remesh.coordinator.state_codec`` says.
 ``commit`` writes the state that the events produce and appends the events in one Lua script that
 first checks the revision it was planned against: a writer that planned from an older state is
 refused (``Conflict``) and changes nothing. With several coordinator replicas (``fencing_token`` set)
@@ -26,15 +27,15 @@ and cuts every event before it, in one script, so the log always replays to the 
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, cast
+from typing import cast
 
 import redis.exceptions
 
+from remesh.coordinator import state_codec
 from remesh.coordinator.errors import Conflict, Fenced, StoreUnavailable
-from remesh.coordinator.model import ClusterState, Event, Member, Topology, ack_changes, replay
+from remesh.coordinator.model import ClusterState, Event
 from remesh.coordinator.redis_connection import RedisConnection
 
 __all__ = ["RedisStore"]
@@ -208,76 +209,20 @@ class RedisStore:
                 members_raw, topology_raw, meta, acks_raw = await pipe.execute()
         except (redis.exceptions.RedisError, OSError) as exc:
             raise _translate(exc, self.url) from exc
-        members = {h: Member.from_dict(json.loads(m)) for h, m in members_raw.items()}
-        topology = Topology.from_dict(json.loads(topology_raw)) if topology_raw else None
-        state = ClusterState(
-            members=members,
-            topology=topology,
-            waiting_since=float(meta["waiting_since"]) if meta.get("waiting_since") else None,
-            live_epoch=int(meta.get("live_epoch", 0)),
-            address_refused_epoch=int(meta.get("address_refused_epoch", 0)),
-            acks={h: int(e) for h, e in acks_raw.items()},
-            commits=tuple((int(s), int(e)) for s, e in json.loads(meta.get("checkpoints") or "[]")),
-            finished_step=int(meta.get("finished_step", -1)),
-            incarnation_floor=int(meta.get("incarnation_floor", 0)),
-        )
-        return state, int(meta.get("rev", 0))
+        return state_codec.decode(members_raw, topology_raw, meta, acks_raw)
 
     async def commit(
-        self, rev: int, before: ClusterState, events: Sequence[Event]
-    ) -> tuple[ClusterState, list[Event]]:
-        """Apply ``events`` to ``before`` (stored at ``rev``) and store the result atomically.
-
-        Returns the new state and the events with their stream ids.
-        """
-        after = replay(events, before)
-        acks, acks_replaced = ack_changes(before, after, events)
-        # Events that name no member (acknowledgements, a new epoch's topology) keep the members
-        # mapping itself: nothing of it to compare, a thousand members or not.
-        same_members = after.members is before.members
-        payload: dict[str, Any] = {
-            "members": {}
-            if same_members
-            else {
-                h: json.dumps(m.to_dict(), sort_keys=True)
-                for h, m in after.members.items()
-                # A member no event touched is the same object: compared by identity first, since
-                # comparing records field by field costs each commit the whole fleet.
-                if (old := before.members.get(h)) is not m and old != m
-            },
-            "topology": json.dumps(after.topology.to_dict(), sort_keys=True)
-            if after.topology is not None
-            and after.topology is not before.topology
-            and after.topology != before.topology
-            else "",
-            "meta": {},
-            "acks": acks,
-            "acks_clear": acks_replaced,
-            "forgotten": [] if same_members else [h for h in before.members if h not in after.members],
-            "events": [e.to_json() for e in events],
-        }
-        if after.waiting_since != before.waiting_since:
-            payload["meta"]["waiting_since"] = (
-                repr(after.waiting_since) if after.waiting_since is not None else ""
-            )
-        if after.live_epoch != before.live_epoch:
-            payload["meta"]["live_epoch"] = str(after.live_epoch)
-        if after.address_refused_epoch != before.address_refused_epoch:
-            payload["meta"]["address_refused_epoch"] = str(after.address_refused_epoch)
-        if after.commits != before.commits:
-            payload["meta"]["checkpoints"] = json.dumps(after.commits)
-        if after.finished_step != before.finished_step:
-            payload["meta"]["finished_step"] = str(after.finished_step)
-        if after.incarnation_floor != before.incarnation_floor:
-            payload["meta"]["incarnation_floor"] = str(after.incarnation_floor)
-        # cjson decodes {} and [] alike; an empty table is fine for both loops above.
+        self, rev: int, before: ClusterState, after: ClusterState, events: Sequence[Event]
+    ) -> list[Event]:
+        """Store ``after`` (the state ``events`` fold ``before``, stored at ``rev``, to) and append the
+        events, atomically. Returns the events with their stream ids."""
         keys = [self.keys[k] for k in ("members", "topology", "meta", "acks", "events", "leader", "progress")]
+        change = state_codec.commit_input(before, after, events)
         try:
-            ids = await self._commit(keys=keys, args=[rev, json.dumps(payload), self._token_arg])
+            ids = await self._commit(keys=keys, args=[rev, change, self._token_arg])
         except (redis.exceptions.RedisError, OSError) as exc:
             raise _translate(exc, self.url) from exc
-        stored = [_with_id(e, i) for e, i in zip(events, ids, strict=True)]
-        return after, stored
+        return [_with_id(e, i) for e, i in zip(events, ids, strict=True)]
 
     async def read_events(
         self, after_id: str = "", since: float = 0.0, count: int | None = None
