@@ -54,7 +54,7 @@ PRELUDE = textwrap.dedent(
     from pathlib import Path
     import numpy as np
     import jax, jax.numpy as jnp
-    from remesh.elastic import Policy, Session, configure_logging
+    from remesh.elastic import Faults, Policy, Session, configure_logging
     from tests.local_agent import LocalAgent
 
     configure_logging("info")
@@ -135,19 +135,21 @@ ON_DEVICE_PAUSE_S = 0.3
 
 RECOVERY = f"""
     out, shm, sock = sys.argv[1], sys.argv[2], sys.argv[3]
+    import remesh.elastic.restore as restore
     agent = LocalAgent(Path(sock))
     events = []
+    waited_on_device = restore.on_device
 
-    class Recorded(Session):
-        def _on_device(self, leaves):
-            super()._on_device(leaves)
-            events.append({{"ready": all(x.is_ready() for x in leaves), "leaves": len(leaves)}})
-            time.sleep({ON_DEVICE_PAUSE_S})  # inside the restore's build phase, if it ends after this
+    def recorded(leaves):
+        waited_on_device(leaves)
+        events.append({{"ready": all(x.is_ready() for x in leaves), "leaves": len(leaves)}})
+        time.sleep({ON_DEVICE_PAUSE_S})  # inside the restore's build phase, if it ends after this
 
+    restore.on_device = recorded
     # The watchdog at its defaults: a step still blocked 0.2 s after a new epoch ends the process.
-    session = Recorded(
+    session = Session(
         init_state=init_state, devices_per_host=1, agent=agent.client(), job_id="slow-snapshot",
-        policy=Policy(snapshot_every=1, buddy_every=0, shm_dir=shm),
+        policy=Policy(snapshot_every=1, shm_dir=shm),
     )
     epochs, slow = [], {{}}
 
@@ -156,10 +158,10 @@ RECOVERY = f"""
         if epoch.epoch != 1:
             return
         if not slow and session.stats["snapshots"] >= 2:
-            session._snapshot_delay_s = {SHARD_DELAY_S}  # every snapshot taken from now on is slow
+            session.snapshotter.shard_delay_s = {SHARD_DELAY_S}  # every snapshot taken from now on is slow
             slow["from"] = epoch.step
             return
-        flight = session._in_flight
+        flight = session.snapshotter.in_flight
         if slow and "step" not in slow and flight is not None and flight.step > slow["from"]:
             while flight.copy.phase != "copy":  # its step is done: it copies, shard by shard
                 time.sleep(0.005)
@@ -173,7 +175,7 @@ RECOVERY = f"""
         with epoch:
             epochs.append({{"epoch": epoch.epoch, "pid": os.getpid(), "step": epoch.step,
                             "source": epoch.restored_from, "held": session.snapshots.steps()}})
-            session._snapshot_delay_s = 0.0  # fast again: slow only while epoch 1 is left
+            session.snapshotter.shard_delay_s = 0.0  # fast again: slow only while epoch 1 is left
             step_fn = epoch.jit(train_step, out_shardings=(epoch.shardings, epoch.replicated))
             state = epoch.state
             for step in epoch.steps():
@@ -236,7 +238,7 @@ STUCK = """
 
     session = Session(
         init_state=init_state, devices_per_host=1, agent=agent.client(), job_id="stuck-step",
-        policy=Policy(snapshot_every=3, buddy_every=0, shm_dir=shm),
+        policy=Policy(snapshot_every=3, shm_dir=shm),
     )
 
     def after_done(epoch, state):
@@ -289,7 +291,7 @@ CLOSING = """
         with Session(
             init_state=init_state, devices_per_host=1, job_id=f"close-{i}",
             agent=AgentClient(address, first, progress_every_s=0),
-            policy=Policy(snapshot_every=2, buddy_every=0, shm_dir=shm),
+            policy=Policy(snapshot_every=2, shm_dir=shm),
         ) as session:
             train(session, 6)
             final = session.final_leaves()
@@ -357,13 +359,13 @@ BUDGET = """
         def after_done(epoch, state):
             live = {x.unsafe_buffer_pointer() for x in jax.tree_util.tree_leaves(state)}
             extra.append(device_bytes(live))  # beside the live state: what snapshots (and the step) hold
-            flight = session._in_flight
+            flight = session.snapshotter.in_flight
             if flight is not None and flight.step < epoch.step:
                 held.append(flight.copy.held_bytes)
         with Session(
             init_state=init_state, devices_per_host=1, agent=SoloAgent(f"budget-{budget}"),
-            job_id=f"budget-{budget}",
-            policy=Policy(snapshot_every=1, buddy_every=0, shm_dir=shm_dir, snapshot_device_budget_bytes=budget),
+            job_id=f"budget-{budget}", faults=Faults.from_env(),
+            policy=Policy(snapshot_every=1, shm_dir=shm_dir, snapshot_device_budget_bytes=budget),
         ) as session:
             train(session, 16, after_done)
         return {"extra": extra, "held": held, "stats": session.stats}
@@ -415,7 +417,8 @@ INTERVAL = """
     def run(every, steps, **policy):
         with Session(
             init_state=init_state, devices_per_host=1, agent=SoloAgent(f"interval-{every}"),
-            job_id=f"interval-{every}", policy=Policy(snapshot_every=every, buddy_every=0, shm_dir=None, **policy),
+            job_id=f"interval-{every}", faults=Faults.from_env(),
+            policy=Policy(snapshot_every=every, shm_dir=None, **policy),
         ) as session:
             train(session, steps, slow_steps)
         return dict(session.stats)
@@ -490,11 +493,11 @@ def test_a_snapshot_copy_lets_go_of_each_shard_as_copied_and_stops_at_the_next_s
 
 
 def test_the_restore_waits_for_the_device_before_its_timer_stops() -> None:
-    """The hook the restore phases go through (``Session._on_device``) leaves every leaf ready."""
-    from remesh.elastic.session import Session
+    """The hook the restore phases go through (``restore.on_device``) leaves every leaf ready."""
+    from remesh.elastic.restore import on_device
 
     leaves = [jax.device_put(np.full((256, 256), float(i), np.float32)) for i in range(4)]
-    Session._on_device(None, leaves)  # type: ignore[arg-type]
+    on_device(leaves)
     assert all(x.is_ready() for x in leaves)
 
 
@@ -512,7 +515,7 @@ def test_a_session_alone_whose_snapshot_directory_cannot_be_made_says_so_and_tra
         finals = {}
         for name, shm in (("blocked", blocker), ("in-process", None)):
             session = Session(init_state=init_state, devices_per_host=1, agent=SoloAgent(name),
-                              job_id=name, policy=Policy(snapshot_every=2, buddy_every=0, shm_dir=shm))
+                              job_id=name, policy=Policy(snapshot_every=2, shm_dir=shm))
             train(session, 6)
             finals[name] = [np.asarray(x).tolist() for x in session.final_leaves()]
             stats, missing = dict(session.stats), dict(session.tiers_missing)

@@ -13,19 +13,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from remesh.elastic.cells import Offer, Uncovered, cell_of, covered, plan_fetch, whole
 from remesh.elastic.exchange import FetchFailed, PieceServer, fetch
-from remesh.elastic.sharding import (
-    Layout,
-    Offer,
-    Uncovered,
-    assemble,
-    cell_of,
-    covered,
-    fit,
-    fsdp_partition,
-    plan_fetch,
-    whole,
-)
+from remesh.elastic.sharding import Layout, assemble, fit, fsdp_partition
 from remesh.elastic.snapshots import Snapshots, claim, release
 
 
@@ -85,22 +75,22 @@ def test_plan_takes_own_pieces_first_then_a_peers_own_then_a_buddy_copy() -> Non
     # Rank 1 died; the spare (rank 1 again) needs rows 2:4: rank 0 holds them as a buddy copy only.
     offers = [offer(0, [0], buddy=[1]), offer(1, []), offer(2, [2], buddy=[0])]
     plan = plan_fetch(1, {0: [ROWS[1]]}, offers, SHAPES, [4])
-    assert plan.sources == {(0, ROWS[1]): (0, "buddy")}
-    assert plan.bytes_by_tier == {"buddy": 2 * 4 * 4}
+    assert plan.holders == {(0, ROWS[1]): (0, "buddy")}
+    assert plan.bytes_by_source == {"buddy": 2 * 4 * 4}
     # Rank 0 needs its own rows (local) and, re-split to 2 rows of 3, part of rank 2's.
     plan = plan_fetch(0, {0: [((0, 3), (0, 4))]}, offers, SHAPES, [4])
-    assert plan.sources == {(0, ROWS[0]): (0, "memory"), (0, ROWS[1]): (0, "buddy")}
+    assert plan.holders == {(0, ROWS[0]): (0, "memory"), (0, ROWS[1]): (0, "buddy")}
     # Where a peer holds a cell as its own, that wins over another peer's buddy copy.
     offers = [offer(0, [0], buddy=[1]), offer(1, []), offer(2, [2, 1])]
     plan = plan_fetch(1, {0: [ROWS[1]]}, offers, SHAPES, [4])
-    assert plan.sources == {(0, ROWS[1]): (2, "peer")}
+    assert plan.holders == {(0, ROWS[1]): (2, "peer")}
 
 
 def test_plan_spreads_the_bytes_over_the_peers_that_hold_the_same_cells() -> None:
     offers = [offer(0, [0, 1, 2]), offer(1, [0, 1, 2]), offer(2, [])]
     plan = plan_fetch(2, {0: ROWS}, offers, SHAPES, [4])
-    assert sorted(rank for rank, _ in plan.sources.values()) == [0, 0, 1] or sorted(
-        rank for rank, _ in plan.sources.values()
+    assert sorted(rank for rank, _ in plan.holders.values()) == [0, 0, 1] or sorted(
+        rank for rank, _ in plan.holders.values()
     ) == [0, 1, 1]
 
 

@@ -114,10 +114,11 @@ def test_a_world_of_one_agrees_with_itself_at_once_and_opens_no_socket(no_inet: 
 
 
 def test_the_address_this_host_offers_peers_falls_back_to_loopback_where_no_socket_opens(
-    no_inet: None, monkeypatch: pytest.MonkeyPatch
+    no_inet: None,
 ) -> None:
-    monkeypatch.delenv("REMESH_PEER_HOST", raising=False)
     assert advertised_host("10.1.2.3:5000") == "127.0.0.1"
+    # The address given (Policy.peer_host) is the one offered, whatever the routes say.
+    assert advertised_host("10.1.2.3:5000", "10.9.9.9") == "10.9.9.9"
 
 
 # ---- real processes --------------------------------------------------------------------------------
@@ -273,7 +274,7 @@ SOLO_TRAINER = NO_NETWORK + textwrap.dedent(
         time.sleep(0.05)
     np.savez(out + ".npz", *session.final_leaves())
     report = {"ran": ran, "restores": restores, "backends": len(clients),
-              "piece_server": session._server is not None, "platform": session.platform}
+              "piece_server": session.restorer.serving, "platform": session.platform}
     session.close()
     print("RESULT " + json.dumps(report), flush=True)
     """
@@ -381,7 +382,7 @@ STANDBY = textwrap.dedent(
         policy=Policy(shm_dir=None, stuck_step_exit_s=None, stuck_join_exit_s=None),
     )
     assert list(session.epochs(10)) == []
-    print("RESULT " + json.dumps({"platform": session.platform, "traced": session._program is not None,
+    print("RESULT " + json.dumps({"platform": session.platform, "traced": session.compiler.traced,
                                    "backend": xla_bridge.backends_are_initialized()}), flush=True)
     session.close()
     """

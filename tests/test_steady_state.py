@@ -34,13 +34,15 @@ SLOW_WRITER = textwrap.dedent(
     from remesh.elastic.snapshots import Snapshots
 
     events = []
+    put = Snapshots.put
 
-    class SlowSnapshots(Snapshots):
-        def put(self, step, layout, pieces):
-            events.append(["write-begin", step])
-            time.sleep(float(sys.argv[3]))
-            super().put(step, layout, pieces)
-            events.append(["write-end", step])
+    def slow_put(self, step, layout, pieces):
+        events.append(["write-begin", step])
+        time.sleep(float(sys.argv[3]))
+        put(self, step, layout, pieces)
+        events.append(["write-end", step])
+
+    Snapshots.put = slow_put  # every snapshot store of this process writes slowly (one host: no buddy)
 
     config = model.Config(seq_len=16, d_model=32, n_layers=1, d_mlp=128)
     session = Session(
@@ -50,7 +52,6 @@ SLOW_WRITER = textwrap.dedent(
         devices_per_host=2,
         policy=Policy(snapshot_every=1, shm_dir=None),
     )
-    session.snapshots = SlowSnapshots(session.snapshots.keep, None)
     for result in session.run(int(sys.argv[2])):
         events.append(["step", result.step])
     events.append(["skipped", session.stats["snapshots_skipped"]])
@@ -164,6 +165,9 @@ def test_a_policy_whose_buddy_copies_fall_between_snapshots_is_refused() -> None
     with pytest.raises(ValueError, match="snapshot_every must be >= 1"):
         Policy(snapshot_every=0)
     assert Policy(snapshot_every=3, buddy_every=6).buddy_every == 6
+    # By default the buddy copies go with every snapshot, whatever the interval.
+    assert Policy(snapshot_every=5).buddy_every is None
+    assert Policy(snapshot_every=5).own_snapshots_kept == 4
 
 
 def test_the_compilation_cache_is_where_the_environment_says(
@@ -177,29 +181,25 @@ def test_the_compilation_cache_is_where_the_environment_says(
 
 
 def test_epoch_jit_meets_the_members_before_its_first_call_runs_and_never_again() -> None:
-    """``Epoch.jit``'s function compiles and meets the epoch's members (``Epoch._compile_and_meet``,
-    recorded here in its place) before its first call runs, once: later calls are ``jax.jit``'s,
-    the first call runs what the meeting compiled (traced once), and its other attributes are the
-    jitted function's."""
+    """``Epoch.jit``'s function compiles and meets the epoch's members (the meeting, recorded here in
+    its place) before its first call runs, once: later calls are ``jax.jit``'s, the first call runs
+    what the meeting compiled (traced once), and its other attributes are the jitted function's."""
     import jax
     import jax.numpy as jnp
 
-    from remesh.elastic.session import _MeetsOnFirstCall
+    from remesh.elastic.epoch import _MeetsOnFirstCall
 
     seen: list[tuple[object, ...]] = []
 
-    class Meeting:
-        def _compile_and_meet(
-            self, jitted: object, name: str, args: tuple[object, ...], kwargs: dict
-        ) -> None:
-            jitted.lower(*args, **kwargs).compile()  # type: ignore[attr-defined]
-            seen.append(("met", name))
+    def meet(jitted: object, name: str, args: tuple[object, ...], kwargs: dict) -> None:
+        jitted.lower(*args, **kwargs).compile()  # type: ignore[attr-defined]
+        seen.append(("met", name))
 
     def step(x: jax.Array) -> jax.Array:
         seen.append(("traced",))
         return x + 1
 
-    f = _MeetsOnFirstCall(Meeting(), jax.jit(step), "compiled-1")  # type: ignore[arg-type]
+    f = _MeetsOnFirstCall(meet, jax.jit(step), "compiled-1")
     assert int(f(jnp.int32(1))) == 2
     assert int(f(jnp.int32(2))) == 3
     assert seen == [("traced",), ("met", "compiled-1")]

@@ -28,6 +28,7 @@ import structlog
 from examples.tinylm import data, model
 from remesh.elastic import (
     Checkpoints,
+    Faults,
     GrainData,
     Layout,
     LocalCheckpoints,
@@ -116,6 +117,12 @@ def main(argv: list[str] | None = None) -> int:
         help="buddy copies every K steps, a multiple of --snapshot-every (default: every snapshot; 0: none)",
     )
     p.add_argument(
+        "--peer-host",
+        default=os.environ.get("REMESH_PEER_HOST"),
+        help="the address the other hosts fetch this host's pieces from (default: the source address "
+        "of the route to the epoch's coordination service; $REMESH_PEER_HOST)",
+    )
+    p.add_argument(
         "--shm-dir",
         default=Policy().shm_dir,
         help="the folder where snapshots outlive this process, for the agent's next trainer to restore "
@@ -150,11 +157,10 @@ def main(argv: list[str] | None = None) -> int:
             checkpoint_every=args.checkpoint_every,
             collective_timeout_s=args.collective_timeout,
             snapshot_every=args.snapshot_every,
-            buddy_every=(1 if args.snapshot_every == "auto" else args.snapshot_every)
-            if args.buddy_every is None
-            else args.buddy_every,
+            buddy_every=args.buddy_every,
             mtbf_s=args.mtbf,
             shm_dir=args.shm_dir,
+            peer_host=args.peer_host,
             # A sharded state is gathered whole at the end only where it is written out whole.
             gather_final=bool(args.save_final) and args.sharding != "replicated",
         )
@@ -177,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
             partition=None if args.sharding == "replicated" else fsdp_partition,
             hosts_per_replica=args.hosts_per_replica if args.sharding == "hsdp" else None,
         ),
+        # Tests and benchmarks make this host slow or faulty on purpose (REMESH_FAULT_*); none by default.
+        faults=Faults.from_env(),
     )
     t0 = time.monotonic()
     last = None

@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from examples.tinylm import data, model
-from remesh.elastic import GrainData, Layout, Policy, Session, fsdp_partition
+from remesh.elastic import Faults, GrainData, Layout, Policy, Session, fsdp_partition
 from remesh.elastic.cadence import parse_every
 
 
@@ -55,11 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         init_state=functools.partial(model.init_state, args.seed, config),
         devices_per_host=args.devices,
         layout=Layout(partition=fsdp_partition),
-        policy=Policy(
-            snapshot_every=args.snapshot_every,
-            buddy_every=1 if args.snapshot_every == "auto" else args.snapshot_every,  # with each snapshot
-            gather_final=bool(args.save_final),
-        ),
+        policy=Policy(snapshot_every=args.snapshot_every, gather_final=bool(args.save_final)),
+        # Tests make this host slow on purpose (REMESH_FAULT_*); none by default.
+        faults=Faults.from_env(),
     )
     source = GrainData(data.records(args.seq_len, args.seed), args.batch)
     out = open(args.metrics, "a", buffering=1) if args.metrics else None  # noqa: SIM115

@@ -18,9 +18,18 @@ or, keeping your own loop (``Session.epochs``; ``train_step`` and ``batch_for_st
                 epoch.done(state, metrics)
 
 Run the script under ``remesh agent``; the session takes its place in every epoch the coordinator
-publishes. Pieces: ``session`` (the loop), ``runtime`` (the JAX distributed runtime of one epoch),
-``snapshots`` (host-memory restore tier), ``checkpoints`` (local and GCS tiers), ``agent_client``
-(the agent's local API). It never imports the coordinator or the agent.
+publishes. Pieces: ``session`` (the loop over epochs) and ``epoch`` (what happens between two
+steps), ``policy`` (how it recovers), ``restore_plan`` (the restore order, a pure choice) and
+``restore`` (carrying it out), ``schedule`` (when snapshots and buddy copies are due), ``snapshotting``
+and ``buddy_copies`` (taking them), ``checkpointing`` (saving beside training), ``watchdog``,
+``faults`` (faults injected on purpose, as a value), ``runtime`` (the JAX distributed runtime of one
+epoch), ``snapshots`` (the host-memory tiers), ``checkpoints`` (the local and GCS tiers),
+``agent_client`` (the agent's local API). It never imports the coordinator or the agent.
+
+Words: a **tier** is a place that keeps copies of the state (the snapshot tiers "memory", "host-shm"
+and "buddy"; the checkpoint tiers "local" and "gcs"); a **source** is where a restore's bytes came
+from (a tier of this process, "peer" for a peer's own pieces, "buddy" for a buddy copy, a checkpoint
+tier, or "scratch").
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ from remesh.elastic.checkpoints import (
     StaleEpoch,
 )
 from remesh.elastic.data import GrainData, HostBatches, StepData
+from remesh.elastic.epoch import Epoch
 from remesh.elastic.errors import (
     AddressInUse,
     ElasticError,
@@ -49,16 +59,12 @@ from remesh.elastic.errors import (
     StateLost,
     TopologyChanged,
 )
+from remesh.elastic.faults import Faults
 from remesh.elastic.logs import configure_logging
-from remesh.elastic.session import (
-    ADDRESS_IN_USE_EXIT_CODE,
-    RESTART_EXIT_CODE,
-    STATE_LOST_EXIT_CODE,
-    Epoch,
-    Policy,
-    Session,
-    StepResult,
-)
+from remesh.elastic.policy import Policy
+from remesh.elastic.progress import StepResult
+from remesh.elastic.schedule import SnapshotSchedule
+from remesh.elastic.session import ADDRESS_IN_USE_EXIT_CODE, RESTART_EXIT_CODE, STATE_LOST_EXIT_CODE, Session
 from remesh.elastic.sharding import Layout, fsdp_partition, replicated_partition
 
 __all__ = [
@@ -73,6 +79,7 @@ __all__ = [
     "Checkpoints",
     "ElasticError",
     "Epoch",
+    "Faults",
     "GcsCheckpoints",
     "GrainData",
     "HostBatches",
@@ -84,6 +91,7 @@ __all__ = [
     "Recoverable",
     "RestartProcess",
     "Session",
+    "SnapshotSchedule",
     "StaleEpoch",
     "StateLost",
     "StepData",

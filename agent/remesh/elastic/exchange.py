@@ -3,7 +3,7 @@
 Every trainer of an epoch of more than one process runs a ``PieceServer`` (an epoch of one fetches
 nothing and opens no socket): it serves the pieces its process holds (its own snapshots and the buddy
 copies it keeps) to any member that asks, by restore point and key. A restore fetches the
-cells a process lacks from the members ``sharding.plan_fetch`` picked; a buddy refresh fetches a
+cells a process lacks from the members ``cells.plan_fetch`` picked; a buddy refresh fetches a
 peer's own pieces of a step. Not the JAX coordination service's key-value
 store: it holds every value in process 0 and compresses it (seconds for tens of megabytes here).
 
@@ -23,13 +23,14 @@ import os
 import socket
 import threading
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import structlog
 
+from remesh.elastic.cells import Cell, RestorePoint, decode_key, encode_key
 from remesh.elastic.dtypes import as_bytes, dtype_name, dtype_of
-from remesh.elastic.sharding import Cell
 
 __all__ = [
     "FetchFailed",
@@ -37,6 +38,7 @@ __all__ = [
     "Pieces",
     "RestorePoint",
     "advertised_host",
+    "beside_training",
     "demote_threads",
     "fetch",
     "lower_priority",
@@ -46,20 +48,8 @@ log = structlog.get_logger("remesh.elastic")
 
 # (leaf index, cell) -> values
 Pieces = dict[tuple[int, Cell], np.ndarray]
-# (step, epoch whose mesh laid the pieces out)
-RestorePoint = tuple[int, int]
 _CHUNK = 4 << 20
 _HEADER_MAX = 64 << 20
-
-
-def encode_key(key: tuple[int, Cell]) -> list[Any]:
-    leaf, cell = key
-    return [leaf, [list(b) for b in cell]]
-
-
-def decode_key(raw: Any) -> tuple[int, Cell]:
-    leaf, cell = raw
-    return int(leaf), tuple((int(a), int(b)) for a, b in cell)
 
 
 class PieceServer:
@@ -168,6 +158,12 @@ def lower_priority(by: int = 9) -> None:
         pass
 
 
+def beside_training(name: str) -> ThreadPoolExecutor:
+    """One thread for work beside training (snapshots, buddy copies, checkpoints), at a lower CPU
+    priority than the loop (``lower_priority``)."""
+    return ThreadPoolExecutor(1, name, initializer=lower_priority)
+
+
 def demote_threads(prefix: str) -> None:
     """Give every thread of this process whose name starts with ``prefix`` at least the calling
     thread's niceness (Linux only; elsewhere, and where a thread is gone meanwhile, nothing
@@ -193,10 +189,10 @@ def demote_threads(prefix: str) -> None:
             continue
 
 
-def advertised_host(peer: str) -> str:
-    """The address of this machine that ``peer`` (host:port) reaches it on: the source address the
-    kernel picks for a route to it. ``REMESH_PEER_HOST`` overrides."""
-    if override := os.environ.get("REMESH_PEER_HOST"):
+def advertised_host(peer: str, override: str | None = None) -> str:
+    """The address of this machine that ``peer`` (host:port) reaches it on: ``override`` where given
+    (``Policy.peer_host``), else the source address the kernel picks for a route to it."""
+    if override:
         return override
     host = peer.rpartition(":")[0].strip("[]") or "127.0.0.1"
     try:

@@ -12,17 +12,16 @@ the mesh axes it is sharded over is replicated over them instead (``fit``); a wo
 not split into whole replica groups makes one group of every host. Neither ever fails an epoch; a
 coordinator started with ``--must-divide`` keeps world sizes to those that divide.
 
-A piece of the state is one leaf's values over a ``Cell`` (a box in global coordinates: start and
-stop per dimension), so pieces are independent of the mesh that produced them. ``plan_fetch`` decides,
-for the cells this process needs on the new mesh, which member serves each old cell (pure logic);
-``assemble`` builds a needed box from the pieces that overlap it.
+A piece of the state is one leaf's values over a ``Cell`` (``remesh.elastic.cells``: a box in
+global coordinates, independent of the mesh that produced it; ``plan_fetch`` there decides which
+member serves each old cell); ``assemble`` builds a needed box from the pieces that overlap it.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -30,6 +29,8 @@ import numpy as np
 import structlog
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from remesh.elastic.cells import Cell, Fetch, Offer, Uncovered, cell_of, covers, intersect, plan_fetch, whole
 
 __all__ = [
     "AXES",
@@ -48,14 +49,13 @@ __all__ = [
     "fsdp_partition",
     "plan_fetch",
     "replicated_partition",
+    "whole",
 ]
 
 log = structlog.get_logger("remesh.elastic")
 
 PyTree = Any
 AXES = ("replica", "fsdp")
-# A box in global coordinates: (start, stop) for every dimension; () for a scalar.
-Cell = tuple[tuple[int, int], ...]
 # The state's sharding for a mesh: a pytree of PartitionSpecs shaped like the state.
 Partition = Callable[[Mesh, PyTree], PyTree]
 
@@ -162,26 +162,6 @@ def fit(spec: P, shape: Sequence[int], mesh: Mesh, path: str = "") -> P:
     return P(*fitted)
 
 
-def cell_of(index: tuple[slice, ...] | None, shape: Sequence[int]) -> Cell:
-    """The box that a shard's ``index`` (slices, as JAX gives them; None: all of it) covers."""
-    if index is None:
-        return whole(shape)
-    return tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shape, strict=True))
-
-
-def whole(shape: Sequence[int]) -> Cell:
-    return tuple((0, n) for n in shape)
-
-
-def volume(cell: Cell) -> int:
-    return math.prod(b - a for a, b in cell)
-
-
-def intersect(a: Cell, b: Cell) -> Cell | None:
-    box = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b, strict=True))
-    return box if all(lo < hi for lo, hi in box) else None
-
-
 def _local(box: Cell, within: Cell) -> tuple[slice, ...]:
     return tuple(slice(lo - base, hi - base) for (lo, hi), (base, _) in zip(box, within, strict=True))
 
@@ -239,55 +219,6 @@ def needed_cells(sharding: NamedSharding, shape: Sequence[int]) -> list[Cell]:
     return sorted(cells)
 
 
-class Uncovered(Exception):
-    """No member holds some part of the state at the step asked for."""
-
-
-@dataclass(frozen=True)
-class Offer:
-    """What one member can serve at one restore point: its own pieces and its buddy copies."""
-
-    rank: int
-    own: frozenset[tuple[int, Cell]] = frozenset()
-    buddy: frozenset[tuple[int, Cell]] = frozenset()
-    own_tier: str = "memory"  # where its own pieces are: "memory", or "host-shm" after a restart
-
-
-@dataclass
-class Fetch:
-    """Where each old cell a process needs comes from, and the bytes per tier."""
-
-    # (leaf, cell) -> (rank that serves it, tier)
-    sources: dict[tuple[int, Cell], tuple[int, str]] = field(default_factory=dict)
-    bytes_by_tier: dict[str, int] = field(default_factory=dict)
-
-    def from_rank(self, rank: int) -> list[tuple[int, Cell]]:
-        return sorted(key for key, (r, _) in self.sources.items() if r == rank)
-
-    def tier_of(self, rank: int) -> dict[tuple[int, Cell], str]:
-        return {key: tier for key, (r, tier) in self.sources.items() if r == rank}
-
-
-def covered(offers: Iterable[Offer], shapes: Sequence[tuple[int, ...]]) -> bool:
-    """Whether the offers together hold every element of every leaf.
-
-    The cells of one restore point come from one mesh, so distinct cells of a leaf never overlap
-    and their volumes add up to the leaf's size exactly when they cover it.
-    """
-    cells: list[set[Cell]] = [set() for _ in shapes]
-    for offer in offers:
-        for leaf, cell in offer.own | offer.buddy:
-            if 0 <= leaf < len(cells):
-                cells[leaf].add(cell)
-    return all(covers(cs, shape) for cs, shape in zip(cells, shapes, strict=True))
-
-
-def covers(cells: Iterable[Cell], shape: Sequence[int]) -> bool:
-    """Whether cells of one layout (distinct ones never overlap) cover a leaf of ``shape``: their
-    volumes add up to its size."""
-    return sum(volume(c) for c in set(cells)) == math.prod(shape)
-
-
 def first_replicas(leaves: Sequence[jax.Array]) -> dict[tuple[int, Cell], jax.Array]:
     """This process's shards that are the first replica of their cell, by (leaf, cell): across the
     processes of a job, every cell of the state once."""
@@ -297,51 +228,3 @@ def first_replicas(leaves: Sequence[jax.Array]) -> dict[tuple[int, Cell], jax.Ar
         for s in x.addressable_shards
         if s.replica_id == 0
     }
-
-
-def plan_fetch(
-    me: int,
-    needed: Mapping[int, Sequence[Cell]],
-    offers: Sequence[Offer],
-    shapes: Sequence[tuple[int, ...]],
-    itemsizes: Sequence[int],
-) -> Fetch:
-    """For every old cell overlapping a box this process needs, the member that serves it.
-
-    Preference: this process's own pieces, then its buddy copies (no bytes move), then a peer's own
-    pieces (another replica group holds the same shards, or the state is re-split), then a peer's
-    buddy copy; among peers, the one serving the fewest bytes so far. Raises ``Uncovered`` when a
-    needed element is held by nobody.
-    """
-    if not covered(offers, shapes):
-        raise Uncovered("the members' pieces do not cover the state")
-    holders: dict[tuple[int, Cell], list[tuple[int, int, str]]] = {}
-    for offer in offers:
-        local = offer.rank == me
-        for key in offer.own:
-            holders.setdefault(key, []).append(
-                (0 if local else 2, offer.rank, offer.own_tier if local else "peer")
-            )
-        for key in offer.buddy:
-            holders.setdefault(key, []).append((1 if local else 3, offer.rank, "buddy"))
-    load: dict[int, int] = {}
-    plan = Fetch()
-    by_leaf: dict[int, list[Cell]] = {}
-    for leaf, cell in holders:
-        by_leaf.setdefault(leaf, []).append(cell)
-    for leaf, regions in sorted(needed.items()):
-        for region in regions:
-            for cell in sorted(c for c in by_leaf.get(leaf, []) if intersect(region, c) is not None):
-                key = (leaf, cell)
-                if key in plan.sources:
-                    continue
-                nbytes = volume(cell) * itemsizes[leaf]
-                rank_, tier = min(
-                    ((pref, load.get(r, 0), r, tier) for pref, r, tier in holders[key]),
-                    key=lambda h: (h[0], h[1], h[2]),
-                )[2:]
-                plan.sources[key] = (rank_, tier)
-                if rank_ != me:
-                    load[rank_] = load.get(rank_, 0) + nbytes
-                plan.bytes_by_tier[tier] = plan.bytes_by_tier.get(tier, 0) + nbytes
-    return plan

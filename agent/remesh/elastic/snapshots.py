@@ -35,9 +35,9 @@ from typing import Any, NamedTuple
 import numpy as np
 import structlog
 
+from remesh.elastic.cells import decode_key, encode_key, volume
 from remesh.elastic.dtypes import as_bytes, dtype_name, dtype_of
-from remesh.elastic.exchange import Pieces, decode_key, encode_key
-from remesh.elastic.sharding import volume
+from remesh.elastic.exchange import Pieces
 
 __all__ = [
     "HOST_SHM",
