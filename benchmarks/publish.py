@@ -55,7 +55,7 @@ async def _measure(redis_url: str, members: int, rounds: int) -> dict[str, float
         redis_url=redis_url,
         # Nobody is judged by silence: the members send one heartbeat each and nothing after.
         detector=DetectorSettings(suspect_after_s=3600.0, heartbeat_timeout_s=7200.0),
-        planner=PlannerSettings(world_size=members, jax_port_span=50000),
+        planner=PlannerSettings(world_size=members, jax_port_base=10000, jax_port_span=50000),
         max_members=3 * members,
     )
     coordinator = Coordinator(settings, RedisStore(redis_url, job))

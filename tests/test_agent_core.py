@@ -7,6 +7,7 @@ import signal
 import pytest
 
 from remesh.agent.core import (
+    LEASE_FLOOR_S,
     AgentState,
     Do,
     Fault,
@@ -15,6 +16,7 @@ from remesh.agent.core import (
     TrainerExit,
     hung,
     lease_lost,
+    lease_s,
     on_fault_reply,
     on_topology,
     on_trainer_exit,
@@ -234,3 +236,20 @@ def test_the_lease() -> None:
     assert lease_lost(cut, **{**base, "ranked": False}).do is Do.NOTHING  # type: ignore[arg-type]
     assert lease_lost(cut, **{**base, "running": False}).do is Do.NOTHING  # type: ignore[arg-type]
     assert lease_lost(cut, **{**base, "lease_s": 0.0}).do is Do.NOTHING  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("configured", "heartbeat_timeout_s", "lease"),
+    [
+        (None, 0.6, LEASE_FLOOR_S),  # the local preset's timeout: the floor (a failover takes seconds)
+        (None, 10.0, 10.0),  # the production preset's: as long as the coordinator waits for a verdict
+        (None, 60.0, 60.0),  # a fleet's stretched one
+        (None, 0.0, LEASE_FLOOR_S),  # not registered yet
+        (2.0, 10.0, 2.0),  # --lease wins, below the floor too
+        (0.0, 10.0, 0.0),  # --lease 0: no fence
+    ],
+)
+def test_the_lease_derives_from_the_coordinators_heartbeat_timeout_unless_set(
+    configured: float | None, heartbeat_timeout_s: float, lease: float
+) -> None:
+    assert lease_s(configured=configured, heartbeat_timeout_s=heartbeat_timeout_s) == lease

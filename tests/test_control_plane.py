@@ -22,6 +22,7 @@ import pytest
 from remesh.coordinator.membership import FaultKind
 from remesh.coordinator.model import ClusterState, Event, EventType, Member, Topology, replay
 from remesh.coordinator.model import Role as MemberRole
+from remesh.coordinator.observations import CollectiveFailureReport
 from remesh.coordinator.planner import Decision, Kind
 from remesh.coordinator.service import Coordinator
 from remesh.coordinator.settings import DetectorSettings, PlannerSettings, Settings
@@ -659,12 +660,12 @@ def test_a_collective_every_member_says_failed_forms_the_same_members_again_at_o
         async with two_members_in_a_live_epoch(redis_server, job_id) as (coordinator, a, b, epoch):
             t0 = time.monotonic()
             for member in (a, b):
-                outcome = await coordinator.report_fault(
-                    member.host_id, member.incarnation, FaultKind.COLLECTIVE_FAILED, epoch, 0, "timed out"
+                reason = await coordinator.report_observation(
+                    member.host_id, member.incarnation, epoch, CollectiveFailureReport("timed out")
                 )
-                assert not outcome.member_dead
+                assert "reported a failed collective" in reason  # no fault of the member's
             # Said again while waiting (the trainers do, every few seconds): counted once.
-            await coordinator.report_fault("host-a", a.incarnation, FaultKind.COLLECTIVE_FAILED, epoch, 0, "")
+            await coordinator.report_observation("host-a", a.incarnation, epoch, CollectiveFailureReport(""))
             await wait_async(lambda: coordinator.state.epoch > epoch, 5.0)
             took = time.monotonic() - t0
             said = coordinator.metrics.registry.get_sample_value("remesh_collective_failures_total")
@@ -691,8 +692,8 @@ def test_a_collective_one_member_says_failed_waits_out_the_detection_window_then
     async def scenario() -> tuple[int, list[tuple[float, int]], bool]:
         async with two_members_in_a_live_epoch(redis_server, job_id) as (coordinator, a, b, epoch):
             before = time.monotonic()  # the coordinator's clock starts the window after this
-            await coordinator.report_fault(
-                "host-a", a.incarnation, FaultKind.COLLECTIVE_FAILED, epoch, 0, "timed out"
+            await coordinator.report_observation(
+                "host-a", a.incarnation, epoch, CollectiveFailureReport("timed out")
             )
             exited = await coordinator.report_fault(
                 "host-a", a.incarnation, FaultKind.TRAINER_EXITED, epoch, -6, "aborted"
@@ -722,9 +723,7 @@ def test_hosts_whose_collective_fails_in_every_epoch_they_are_re_formed_into_hal
     async def fail_everywhere(coordinator: Coordinator, members: tuple[Member, ...]) -> int:
         epoch = coordinator.state.epoch
         for m in members:
-            await coordinator.report_fault(
-                m.host_id, m.incarnation, FaultKind.COLLECTIVE_FAILED, epoch, 0, ""
-            )
+            await coordinator.report_observation(m.host_id, m.incarnation, epoch, CollectiveFailureReport(""))
         await wait_async(lambda: coordinator.state.epoch > epoch, 5.0)
         return coordinator.state.epoch
 
@@ -780,8 +779,8 @@ def test_every_survivors_report_of_a_failed_collective_costs_no_plan_of_its_own(
             # test's timeout (one CI run hung somewhere in this test after the new epoch).
             reports = asyncio.gather(
                 *(
-                    coordinator.report_fault(
-                        m.host_id, m.incarnation, FaultKind.COLLECTIVE_FAILED, epoch, 0, ""
+                    coordinator.report_observation(
+                        m.host_id, m.incarnation, epoch, CollectiveFailureReport("")
                     )
                     for m in members
                 )

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from remesh.coordinator import membership
+from remesh.coordinator import membership, observations
 from remesh.coordinator.detector import Liveness, judge
 from remesh.coordinator.errors import CoordinatorError, InvalidRequest, NotFound, Rejected
 from remesh.coordinator.membership import FaultKind
@@ -25,7 +25,8 @@ from remesh.coordinator.model import (
     TopologyMember,
     replay,
 )
-from remesh.coordinator.planner import Decision, Kind, plan, plan_events
+from remesh.coordinator.observations import Observations
+from remesh.coordinator.planner import Kind, plan, plan_events
 from remesh.coordinator.settings import DetectorSettings, PlannerSettings
 
 ALIVE = MemberState.ALIVE
@@ -258,7 +259,7 @@ def test_register_of_a_present_topology_member_keeps_its_rank(state: MemberState
     after = replay(events, before)
     assert after.topology == before.topology
     # Nothing for the planner to do: the epoch does not change.
-    assert plan(NOW, after, {}, PlannerSettings(world_size=3, burst_window_s=0)).kind is Kind.NONE
+    assert plan(NOW, after, Observations(), PlannerSettings(world_size=3, burst_window_s=0)).kind is Kind.NONE
 
 
 def test_register_of_a_replaced_dead_host_comes_back_as_a_spare() -> None:
@@ -266,7 +267,7 @@ def test_register_of_a_replaced_dead_host_comes_back_as_a_spare() -> None:
     state = job(spares=("s0",))
     # a1 dies; the planner gives its rank to s0.
     state = replay(membership.declare(NOW, state, "a1", 1, DEAD, "no heartbeat"), state)
-    decision = plan(NOW, state, {}, settings)
+    decision = plan(NOW, state, Observations(), settings)
     assert decision.kind is Kind.REPLACE
     state = replay(plan_events(NOW, state, decision, settings), state)
     assert state.topology is not None and "a1" not in state.topology.host_ids
@@ -288,7 +289,7 @@ def test_dead_member_that_returns_while_the_job_waits_gets_a_new_epoch() -> None
     def change(now: float, events: list[Event]) -> Kind:
         nonlocal state
         after = replay(events, state)
-        decision = plan(now, after, {}, settings)
+        decision = plan(now, after, Observations(), settings)
         state = replay(plan_events(now, after, decision, settings), after)
         return decision.kind
 
@@ -404,7 +405,7 @@ def test_leave_when_gone_is_a_no_op(was: MemberState) -> None:
 def test_leave_of_a_topology_member_is_replaced_by_the_planner() -> None:
     state = job()
     after = replay(membership.leave(NOW, state, "a2", 1, "bye"), state)
-    decision = plan(NOW, after, {}, PlannerSettings(world_size=3, burst_window_s=0))
+    decision = plan(NOW, after, Observations(), PlannerSettings(world_size=3, burst_window_s=0))
     assert decision.kind is Kind.REPLACE and decision.hosts == ("a0", "a1", "s0")
     assert "a2 left" in decision.reason
 
@@ -430,7 +431,7 @@ def test_drain_of_a_gone_member_is_rejected(was: MemberState) -> None:
 def test_drained_member_is_replaced_by_a_spare() -> None:
     state = job()
     after = replay(membership.drain(NOW, state, "a0", "upgrade"), state)
-    decision = plan(NOW, after, {}, PlannerSettings(world_size=3, burst_window_s=0))
+    decision = plan(NOW, after, Observations(), PlannerSettings(world_size=3, burst_window_s=0))
     assert decision.kind is Kind.REPLACE and decision.hosts == ("s0", "a1", "a2")
 
 
@@ -512,56 +513,27 @@ def test_address_in_use_from_another_member_or_epoch_is_ignored(host: str, epoch
     assert replay(out.events, state).address_refused_epoch == 0
 
 
-def collective_failed(state: ClusterState, host: str = "a1", epoch: int = 3) -> membership.FaultOutcome:
-    return membership.report_fault(
-        NOW, state, host, 1, FaultKind.COLLECTIVE_FAILED, epoch, 0, "Gloo AllReduce timed out"
-    )
-
-
-def test_a_failed_collective_is_an_observation_for_the_planner_that_blames_nobody() -> None:
-    out = collective_failed(job())
-    assert out.broken and not out.member_dead and out.halt is None
-    assert out.events == []  # the new epoch it leads to says why in the log
-    assert "a1" in out.reason and "Gloo AllReduce timed out" in out.reason
-
-
-@pytest.mark.parametrize(
-    ("state", "host", "epoch"),
-    [
-        (job(), "a1", 2),
-        (job(), "s0", 3),
-        (job(halted=True), "a1", 3),
-        (replace(job(), finished_step=40), "a1", 3),
-    ],
-    ids=["older epoch", "not a member", "halted", "finished"],
-)
-def test_a_failed_collective_outside_the_running_epoch_is_ignored(
-    state: ClusterState, host: str, epoch: int
-) -> None:
-    out = collective_failed(state, host, epoch)
-    assert not out.broken and not out.member_dead and out.events == []
-    assert "ignored" in out.reason
-
-
-def test_a_failed_collective_from_an_old_incarnation_is_refused() -> None:
-    with pytest.raises(Rejected, match="stale incarnation"):
-        membership.report_fault(NOW, job(incarnation=2), "a1", 1, FaultKind.COLLECTIVE_FAILED, 3, 0, "x")
-
-
 def test_a_lost_restore_step_halts_the_job_with_the_reason_and_blames_nobody() -> None:
     state = job()
     out = membership.report_fault(NOW, state, "a1", 1, FaultKind.STATE_LOST, 3, 65, "no tier holds step 17")
-    assert not out.member_dead and out.halt is not None
-    assert "no tier holds any step" in out.halt and "no tier holds step 17" in out.halt
-    halting = out.events + plan_events(NOW, state, Decision(Kind.HALT, out.halt), PlannerSettings())
+    assert not out.member_dead and [e.type for e in out.events] == [EventType.FAULT_REPORTED]
+    # Noted with the fault (``Coordinator.report_fault``), it is what the plan of the same commit halts on.
+    seen = observations.state_lost(Observations(), state, "a1", 1, 3, "no tier holds step 17")
+    after_fault = replay(out.events, state)
+    decision = plan(NOW, after_fault, seen, PlannerSettings())
+    assert decision.kind is Kind.HALT
+    assert "no tier holds any step" in decision.reason and "no tier holds step 17" in decision.reason
+    halting = out.events + plan_events(NOW, after_fault, decision, PlannerSettings())
     after = replay(halting, state)
-    assert after.topology is not None and after.topology.halted and after.topology.reason == out.halt
+    assert after.topology is not None and after.topology.halted and after.topology.reason == decision.reason
     assert not [m for m in after.members.values() if m.state is MemberState.DEAD]
 
 
 def test_a_lost_restore_step_reported_for_an_older_epoch_is_ignored() -> None:
     out = membership.report_fault(NOW, job(), "a1", 1, FaultKind.STATE_LOST, 2, 65, "")
-    assert out.halt is None and not out.member_dead and "ignored" in out.reason
+    assert not out.member_dead and "ignored" in out.reason
+    unchanged = Observations()
+    assert observations.state_lost(unchanged, job(), "a1", 1, 2, "") is unchanged
 
 
 @pytest.mark.parametrize(("epoch", "match"), [(-1, "negative"), (4, "never published")])

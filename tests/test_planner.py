@@ -11,9 +11,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import pytest
 
+from remesh.coordinator.frozen_map import FrozenMap
 from remesh.coordinator.model import (
     ClusterState,
     Event,
@@ -25,7 +27,8 @@ from remesh.coordinator.model import (
     TopologyMember,
     replay,
 )
-from remesh.coordinator.planner import Broken, Decision, Kind, natural_key, plan, plan_events
+from remesh.coordinator.observations import CollectiveFailures, Observations, StateLost
+from remesh.coordinator.planner import RULES, Decision, Kind, Situation, natural_key, plan, plan_events
 from remesh.coordinator.settings import PlannerSettings
 
 ALIVE = MemberState.ALIVE
@@ -114,6 +117,18 @@ def S(
         world_size_must_divide=must_divide,
         max_wait_s=max_wait_s,
     )
+
+
+def seen(steps: Mapping[str, int] | None = None, **fields: Any) -> Observations:
+    """What the coordinator observed: the members' steps, and any other field of ``Observations``."""
+    return Observations(steps=FrozenMap(steps or {}), **fields)
+
+
+def failed(epoch: int, since: float, reported: int, futile: int = 0) -> dict[str, Any]:
+    """The fields of observations in which ``reported`` members said a collective of ``epoch``
+    failed, the first at ``since``, after ``futile`` re-forms in a row that completed no step."""
+    hosts = FrozenMap({f"a{i}": since for i in range(reported)})
+    return {"collective_failures": CollectiveFailures(epoch, since, hosts), "futile_reforms": futile}
 
 
 FOUR = ("a0", "a1", "a2", "a3")
@@ -317,7 +332,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_plan(case: Case) -> None:
-    decision = plan(case.now, case.state, case.steps, case.settings)
+    decision = plan(case.now, case.state, seen(case.steps), case.settings)
 
     assert decision.kind is case.kind, decision.reason
     assert decision.hosts == case.hosts
@@ -334,7 +349,7 @@ def _changed(before: Member, after: Member) -> bool:
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_plan_events(case: Case) -> None:
     state = case.state
-    decision = plan(case.now, state, case.steps, case.settings)
+    decision = plan(case.now, state, seen(case.steps), case.settings)
     events = plan_events(case.now, state, decision, case.settings, job_id="job-1")
     after = replay(events, state)
 
@@ -392,20 +407,20 @@ def test_plan_events(case: Case) -> None:
             assert m.role is Role.SPARE
 
     # Observe, plan, commit: planning again from the result changes nothing.
-    assert plan(case.now, after, case.steps, case.settings).kind is Kind.NONE
+    assert plan(case.now, after, seen(case.steps), case.settings).kind is Kind.NONE
 
 
 def test_a_new_topology_records_how_far_the_epoch_it_replaces_got() -> None:
     state = formed(FOUR, epoch=3, states={"a1": DEAD}, others=spares("s0"))
     steps = {"a0": 40, "a1": 44, "a2": 41, "a3": 39}
     # The furthest member (the dead one included: its steps were trained, then lost).
-    assert plan(50.0, state, steps, S()).details == {"reached_step": "44"}
+    assert plan(50.0, state, seen(steps), S()).details == {"reached_step": "44"}
     # Every member registered again (a whole-job restart) and reports -1: the step the caller
     # tracked for the epoch says it; the furthest of the two wins.
     restarted = {h: -1 for h in FOUR}
-    assert plan(50.0, state, restarted, S(), reached=52).details == {"reached_step": "52"}
-    assert plan(50.0, state, steps, S(), reached=12).details == {"reached_step": "44"}
-    assert plan(50.0, state, restarted, S()).details == {"reached_step": "-1"}  # nobody knows
+    assert plan(50.0, state, seen(restarted, reached=52), S()).details == {"reached_step": "52"}
+    assert plan(50.0, state, seen(steps, reached=12), S()).details == {"reached_step": "44"}
+    assert plan(50.0, state, seen(restarted), S()).details == {"reached_step": "-1"}  # nobody knows
 
 
 def test_a_job_whose_every_member_was_lost_still_restores_what_it_completed() -> None:
@@ -416,18 +431,18 @@ def test_a_job_whose_every_member_was_lost_still_restores_what_it_completed() ->
     state = ClusterState(
         {"a0": member("a0", ALIVE, incarnation=2)}, state.topology, None, state.live_epoch, state.acks
     )
-    decision = plan(20.0, state, {"a0": -1}, S(world_size=1), reached=17)
+    decision = plan(20.0, state, seen({"a0": -1}, reached=17), S(world_size=1))
     assert (decision.kind, decision.hosts, decision.restore_step) == (Kind.REPLACE, ("a0",), 17)
     # With a survivor that reported, its step decides, as before.
     two = formed(("a0", "a1"), states={"a1": DEAD}, others=spares("s0"), restore_step=5)
-    assert plan(20.0, two, {"a0": 9, "a1": 12}, S(world_size=2), reached=12).restore_step == 9
+    assert plan(20.0, two, seen({"a0": 9, "a1": 12}, reached=12), S(world_size=2)).restore_step == 9
     # Nobody knows of a step: what the last topology said stays.
-    assert plan(20.0, state, {"a0": -1}, S(world_size=1)).restore_step == -1
+    assert plan(20.0, state, seen({"a0": -1}), S(world_size=1)).restore_step == -1
 
 
 def test_new_epoch_is_old_plus_one_and_survivors_keep_their_ranks() -> None:
     state = formed(FOUR, epoch=9, states={"a2": DEAD}, others=spares("s0", "s1"))
-    decision = plan(50.0, state, {"a0": 4, "a1": 4, "a3": 4}, S())
+    decision = plan(50.0, state, seen({"a0": 4, "a1": 4, "a3": 4}), S())
     events = plan_events(50.0, state, decision, S())
     after = replay(events, state)
 
@@ -453,7 +468,7 @@ def test_form_topology_fields() -> None:
     ]
     settings = PlannerSettings(world_size=3, jax_port_base=40000, jax_port_span=100)
     state = unformed(*ms)
-    decision = plan(3.0, state, {}, settings)
+    decision = plan(3.0, state, seen(), settings)
     events = plan_events(3.0, state, decision, settings, "job-x")
     topology = events[-1].topology
 
@@ -474,7 +489,7 @@ def test_jax_port_moves_with_the_epoch_and_wraps_within_the_span() -> None:
     assert all(40000 <= p < 40010 for p in ports)
     assert all(b == (a + 1 if a < 40009 else 40000) for a, b in itertools.pairwise(ports))
     state = formed(("a0", "a1"), epoch=19, states={"a1": DEAD}, others=spares("s0"))
-    events = plan_events(2.0, state, plan(2.0, state, {}, settings), settings, "job-a")
+    events = plan_events(2.0, state, plan(2.0, state, seen(), settings), settings, "job-a")
     topology = events[-1].topology
     assert topology is not None
     assert topology.jax_coordinator_address.endswith(f":{settings.jax_port('job-a', 20)}")
@@ -489,7 +504,7 @@ def test_jobs_sharing_a_host_start_on_different_ports() -> None:
 
 def test_a_refused_address_moves_the_same_members_to_a_new_epoch() -> None:
     state = replace(formed(FOUR, epoch=3, restore_step=40), address_refused_epoch=3)
-    decision = plan(1.0, state, {"a0": 41, "a1": 41, "a2": 41, "a3": 41}, S())
+    decision = plan(1.0, state, seen({"a0": 41, "a1": 41, "a2": 41, "a3": 41}), S())
     assert decision.kind is Kind.READDRESS
     assert decision.hosts == FOUR
     assert decision.restore_step == 40  # nobody trained in the refused epoch
@@ -500,12 +515,12 @@ def test_a_refused_address_moves_the_same_members_to_a_new_epoch() -> None:
 
 def test_a_refused_address_of_an_older_epoch_changes_nothing() -> None:
     state = replace(formed(FOUR, epoch=3), address_refused_epoch=2)
-    assert plan(1.0, state, {}, S()).kind is Kind.NONE
+    assert plan(1.0, state, seen(), S()).kind is Kind.NONE
 
 
 def test_a_lost_member_is_replaced_even_when_the_address_was_refused() -> None:
     state = replace(formed(FOUR, epoch=3, states={"a2": DEAD}, others=spares("s0")), address_refused_epoch=3)
-    decision = plan(2.0, state, {}, S())
+    decision = plan(2.0, state, seen(), S())
     assert decision.kind is Kind.REPLACE
     assert decision.hosts == ("a0", "a1", "s0", "a3")
 
@@ -515,7 +530,7 @@ STEPS_41 = dict.fromkeys(FOUR, 41)
 
 def test_a_collective_every_member_says_failed_forms_the_same_members_again_at_once() -> None:
     state = formed(FOUR, epoch=3, restore_step=40)
-    decision = plan(10.0, state, STEPS_41, S(), broken=Broken(3, since=9.9, reported=4))
+    decision = plan(10.0, state, seen(STEPS_41, **failed(3, since=9.9, reported=4)), S())
     assert decision.kind is Kind.REFORM, decision.reason
     assert decision.hosts == FOUR
     assert decision.restore_step == 41  # the newest step every member completed
@@ -527,11 +542,11 @@ def test_a_collective_every_member_says_failed_forms_the_same_members_again_at_o
 def test_a_collective_some_members_say_failed_is_held_for_the_detection_window_then_reformed() -> None:
     settings = S()
     state = formed(FOUR, epoch=3, restore_step=40)
-    broken = Broken(3, since=10.0, reported=3)  # a3 said nothing (yet)
-    held = plan(10.0 + settings.reform_after_s - 0.1, state, STEPS_41, settings, broken=broken)
+    broken = failed(3, since=10.0, reported=3)  # a3 said nothing (yet)
+    held = plan(10.0 + settings.reform_after_s - 0.1, state, seen(STEPS_41, **broken), settings)
     assert held.kind is Kind.HOLD, held.reason
     assert "3 of 4" in held.reason
-    after = plan(10.0 + settings.reform_after_s, state, STEPS_41, settings, broken=broken)
+    after = plan(10.0 + settings.reform_after_s, state, seen(STEPS_41, **broken), settings)
     assert after.kind is Kind.REFORM, after.reason
     assert after.hosts == FOUR
     assert "none was lost" in after.reason
@@ -540,27 +555,27 @@ def test_a_collective_some_members_say_failed_is_held_for_the_detection_window_t
 def test_a_suspect_member_holds_a_reform_longer_for_its_verdict() -> None:
     settings = S()
     state = formed(FOUR, epoch=3, states={"a2": SUSPECT})
-    broken = Broken(3, since=10.0, reported=3)
+    broken = failed(3, since=10.0, reported=3)
     at = 10.0 + settings.reform_after_s
-    assert plan(at, state, STEPS_41, settings, broken=broken).kind is Kind.HOLD
-    assert plan(at + settings.suspect_hold_s, state, STEPS_41, settings, broken=broken).kind is Kind.REFORM
+    assert plan(at, state, seen(STEPS_41, **broken), settings).kind is Kind.HOLD
+    assert plan(at + settings.suspect_hold_s, state, seen(STEPS_41, **broken), settings).kind is Kind.REFORM
 
 
 def test_a_member_lost_after_a_failed_collective_is_replaced_not_reformed() -> None:
     state = formed(FOUR, epoch=3, states={"a2": DEAD}, others=spares("s0"))
-    decision = plan(20.0, state, STEPS_41, S(), broken=Broken(3, since=10.0, reported=3))
+    decision = plan(20.0, state, seen(STEPS_41, **failed(3, since=10.0, reported=3)), S())
     assert decision.kind is Kind.REPLACE
     assert decision.hosts == ("a0", "a1", "s0", "a3")
 
 
 def test_reports_of_a_failed_collective_in_an_older_epoch_change_nothing() -> None:
     state = formed(FOUR, epoch=3)
-    assert plan(20.0, state, STEPS_41, S(), broken=Broken(2, since=10.0, reported=4)).kind is Kind.NONE
+    assert plan(20.0, state, seen(STEPS_41, **failed(2, since=10.0, reported=4)), S()).kind is Kind.NONE
 
 
 def test_a_reform_takes_in_the_spares_a_shrunk_job_can_grow_by() -> None:
     state = formed(("a0", "a1"), epoch=3, others=spares("s0", "s1"))
-    decision = plan(20.0, state, {"a0": 5, "a1": 5}, S(), broken=Broken(3, since=19.0, reported=2))
+    decision = plan(20.0, state, seen({"a0": 5, "a1": 5}, **failed(3, since=19.0, reported=2)), S())
     assert decision.kind is Kind.REFORM
     assert decision.hosts == ("a0", "a1", "s0", "s1")
 
@@ -568,9 +583,9 @@ def test_a_reform_takes_in_the_spares_a_shrunk_job_can_grow_by() -> None:
 def test_hosts_re_formed_without_progress_too_often_halt_instead_of_forming_again() -> None:
     settings = S()
     state = formed(FOUR, epoch=9, restore_step=41)
-    again = plan(20.0, state, STEPS_41, settings, broken=Broken(9, 19.0, 4, settings.max_futile_reforms - 1))
+    again = plan(20.0, state, seen(STEPS_41, **failed(9, 19.0, 4, settings.max_futile_reforms - 1)), settings)
     assert again.kind is Kind.REFORM
-    halted = plan(20.0, state, STEPS_41, settings, broken=Broken(9, 19.0, 4, settings.max_futile_reforms))
+    halted = plan(20.0, state, seen(STEPS_41, **failed(9, 19.0, 4, settings.max_futile_reforms)), settings)
     assert halted.kind is Kind.HALT
     assert "fails every time" in halted.reason and "since step 41" in halted.reason
     assert "a0, a1, a2, a3" in halted.reason
@@ -581,7 +596,7 @@ def test_halt_event_carries_an_empty_final_topology() -> None:
         FOUR, epoch=4, states={"a0": DEAD, "a1": DEAD, "a2": DEAD}, waiting_since=0.0, restore_step=33
     )
     settings = S(min_world_size=2, max_wait_s=5.0)
-    decision = plan(5.0, state, {}, settings)
+    decision = plan(5.0, state, seen(), settings)
     events = plan_events(5.0, state, decision, settings)
 
     assert decision.kind is Kind.HALT
@@ -591,29 +606,29 @@ def test_halt_event_carries_an_empty_final_topology() -> None:
     assert final.topology.halted and final.topology.members == () and final.topology.restore_step == 33
     assert {e.host_id for e in events[:-1]} == set(FOUR)
     halted = replay(events, state)
-    assert plan(1e9, halted, {}, settings) == Decision(Kind.NONE, f"job halted: {decision.reason}")
+    assert plan(1e9, halted, seen(), settings) == Decision(Kind.NONE, f"job halted: {decision.reason}")
 
 
 def test_wait_then_halt_uses_time_since_waiting_began() -> None:
     settings = S(min_world_size=4, max_wait_s=10.0)
     state = formed(FOUR, states={"a3": DEAD})
 
-    wait = plan(100.0, state, {}, settings)
+    wait = plan(100.0, state, seen(), settings)
     assert wait.kind is Kind.WAIT
     state = replay(plan_events(100.0, state, wait, settings), state)
     assert state.waiting_since == 100.0
 
     # The clock, not the number of calls, decides: far from the start of the wait nothing happens...
     for now in (100.0, 105.0, 109.99):
-        assert plan(now, state, {}, settings).kind is Kind.NONE
+        assert plan(now, state, seen(), settings).kind is Kind.NONE
     # ...and from max_wait_s on, the job halts.
-    assert plan(110.0, state, {}, settings).kind is Kind.HALT
+    assert plan(110.0, state, seen(), settings).kind is Kind.HALT
 
 
 def test_spare_after_wait_clears_the_wait() -> None:
     settings = S(min_world_size=4)
     state = formed(FOUR, states={"a3": DEAD}, waiting_since=100.0, others=spares("s0"))
-    decision = plan(101.0, state, {}, settings)
+    decision = plan(101.0, state, seen(), settings)
     after = replay(plan_events(101.0, state, decision, settings), state)
     assert decision.kind is Kind.REPLACE
     assert after.waiting_since is None
@@ -648,12 +663,12 @@ def test_rejoined_spare_counts_as_lost_in_its_old_topology() -> None:
     """
     settings = S(world_size=2, min_world_size=2)
     state = formed(("a0", "a1"), states={"a1": DEAD})
-    state = replay(plan_events(10.0, state, plan(10.0, state, {}, settings), settings), state)
+    state = replay(plan_events(10.0, state, plan(10.0, state, seen(), settings), settings), state)
     assert state.waiting_since == 10.0
 
     back = member("a1", ALIVE, incarnation=2)  # what register + heartbeat leave behind
     state = ClusterState({**state.members, "a1": back}, state.topology, state.waiting_since, state.live_epoch)
-    decision = plan(11.0, state, {}, settings)
+    decision = plan(11.0, state, seen(), settings)
     events = plan_events(11.0, state, decision, settings)
     after = replay(events, state)
 
@@ -662,3 +677,201 @@ def test_rejoined_spare_counts_as_lost_in_its_old_topology() -> None:
     assert _types(events)[-1] is EventType.TOPOLOGY_CHANGED
     assert after.epoch == 2 and after.waiting_since is None
     assert (after.members["a1"].rank, after.members["a1"].role) == (1, Role.ACTIVE)
+
+
+# ---- each rule on its own ------------------------------------------------------------------------
+#
+# A rule applies where its guard clauses say (a Decision), and nowhere else (None), whatever the
+# rules before it would have decided: ``plan`` tries them in order, so their order is their precedence.
+
+SUSPECT_A2 = {"a2": SUSPECT}
+
+
+@dataclass(frozen=True)
+class RuleCase:
+    rule: str
+    state: ClusterState
+    kind: Kind | None
+    seen: Observations = field(default_factory=Observations)
+    now: float = 100.0
+    settings: PlannerSettings = field(default_factory=S)
+    reason_has: tuple[str, ...] = ()
+
+
+def just_lost(state: ClusterState, at: float) -> ClusterState:
+    """``state`` with its dead and suspect members changed at ``at``."""
+    changed = {h: replace(m, updated_at=at) for h, m in state.members.items() if m.state in (DEAD, SUSPECT)}
+    return replace(state, members={**state.members, **changed})
+
+
+RULE_CASES = {
+    "halted: a halted job stays halted": RuleCase(
+        "halted", formed((), epoch=7, halted=True), Kind.NONE, reason_has=("job halted",)
+    ),
+    "halted: not a running job": RuleCase("halted", formed(FOUR), None),
+    "finished: a finished job does nothing more": RuleCase(
+        "finished", replace(formed(FOUR), finished_step=40), Kind.NONE, reason_has=("finished at step 40",)
+    ),
+    "finished: not a running job": RuleCase("finished", formed(FOUR), None),
+    "state_lost: a member of the running epoch found no state": RuleCase(
+        "state_lost",
+        formed(FOUR, epoch=3, restore_step=17),
+        Kind.HALT,
+        seen(lost_state=StateLost(3, "a1", "no tier holds step 17")),
+        reason_has=("no tier holds any step", "completed step 17", "a1 reported: no tier holds step 17"),
+    ),
+    "state_lost: of an older epoch": RuleCase(
+        "state_lost", formed(FOUR, epoch=3), None, seen(lost_state=StateLost(2, "a1", "x"))
+    ),
+    "state_lost: nobody lost state": RuleCase("state_lost", formed(FOUR), None),
+    "form: below the world size": RuleCase(
+        "form", unformed(*actives("a0", "a1", "a2")), Kind.NONE, reason_has=("3 of 4",)
+    ),
+    "form: the first epoch": RuleCase(
+        "form", unformed(*actives(*FOUR), *spares("s0")), Kind.FORM, reason_has=("formed with 4 hosts",)
+    ),
+    "form: formed already": RuleCase("form", formed(FOUR), None),
+    "readdress: the port was taken": RuleCase(
+        "readdress", replace(formed(FOUR, epoch=5), address_refused_epoch=5), Kind.READDRESS
+    ),
+    "readdress: of an older epoch": RuleCase(
+        "readdress", replace(formed(FOUR, epoch=5), address_refused_epoch=4), None
+    ),
+    "readdress: a member is lost": RuleCase(
+        "readdress", replace(formed(FOUR, epoch=5, states={"a1": DEAD}), address_refused_epoch=5), None
+    ),
+    "reform: every member said so": RuleCase(
+        "reform", formed(FOUR, epoch=3), Kind.REFORM, seen(STEPS_41, **failed(3, 99.9, 4))
+    ),
+    "reform: some said so, within the window": RuleCase(
+        "reform",
+        formed(FOUR, epoch=3),
+        Kind.HOLD,
+        seen(STEPS_41, **failed(3, 99.9, 3)),
+        reason_has=("3 of 4",),
+    ),
+    "reform: some said so, and a suspect holds it longer": RuleCase(
+        "reform",
+        formed(FOUR, epoch=3, states=SUSPECT_A2),
+        Kind.HOLD,
+        seen(STEPS_41, **failed(3, 100.0 - S().reform_after_s, 3)),
+    ),
+    "reform: some said so, and the window passed": RuleCase(
+        "reform",
+        formed(FOUR, epoch=3),
+        Kind.REFORM,
+        seen(STEPS_41, **failed(3, 100.0 - S().reform_after_s, 3)),
+        reason_has=("none was lost",),
+    ),
+    "reform: the same hosts failed too often": RuleCase(
+        "reform",
+        formed(FOUR, epoch=3),
+        Kind.HALT,
+        seen(STEPS_41, **failed(3, 99.9, 4, futile=S().max_futile_reforms)),
+        reason_has=("fails every time",),
+    ),
+    "reform: of an older epoch": RuleCase("reform", formed(FOUR, epoch=3), None, seen(**failed(2, 99.0, 4))),
+    "reform: a member is lost": RuleCase(
+        "reform", formed(FOUR, epoch=3, states={"a1": DEAD}), None, seen(**failed(3, 99.0, 3))
+    ),
+    "grow: spares for a job below its size": RuleCase(
+        "grow", formed(("a0", "a1"), others=spares("s0")), Kind.GROW, reason_has=("from 2 to 3",)
+    ),
+    "grow: healthy at its size": RuleCase("grow", formed(FOUR, others=spares("s0")), Kind.NONE),
+    "grow: a member is lost": RuleCase("grow", formed(FOUR, states={"a1": DEAD}), None),
+    "grow: not formed": RuleCase("grow", unformed(*actives(*FOUR)), None),
+    "hold_burst: a loss a moment ago": RuleCase(
+        "hold_burst",
+        just_lost(formed(FOUR, states={"a1": DEAD}, others=spares("s0")), 99.95),
+        Kind.HOLD,
+        reason_has=("collecting the burst",),
+    ),
+    "hold_burst: a loss while another member is suspect": RuleCase(
+        "hold_burst",
+        just_lost(formed(FOUR, states={"a1": DEAD, "a2": SUSPECT}, others=spares("s0")), 99.7),
+        Kind.HOLD,
+        reason_has=("a2 suspect",),
+    ),
+    "hold_burst: the burst is over": RuleCase(
+        "hold_burst", formed(FOUR, states={"a1": DEAD}, others=spares("s0")), None
+    ),
+    "hold_burst: the job waits already": RuleCase(
+        "hold_burst", just_lost(formed(FOUR, states={"a1": DEAD}, waiting_since=99.0), 99.95), None
+    ),
+    "hold_burst: nothing lost": RuleCase("hold_burst", formed(FOUR), None),
+    "replace_lost: a spare per lost member": RuleCase(
+        "replace_lost",
+        formed(FOUR, states={"a1": DEAD}, others=spares("s0")),
+        Kind.REPLACE,
+        reason_has=("s0 takes rank 1 of a1",),
+    ),
+    "replace_lost: too few spares": RuleCase(
+        "replace_lost", formed(FOUR, states={"a1": DEAD, "a2": DEAD}, others=spares("s0")), None
+    ),
+    "replace_lost: nothing lost": RuleCase("replace_lost", formed(FOUR, others=spares("s0")), None),
+    "shrink: survivors and spares above the minimum": RuleCase(
+        "shrink", formed(FOUR, states={"a1": DEAD}), Kind.SHRINK, reason_has=("from 4 to 3",)
+    ),
+    "shrink: below the minimum": RuleCase(
+        "shrink", formed(FOUR, states={"a1": DEAD}), None, settings=S(min_world_size=4)
+    ),
+    "shrink: nothing lost": RuleCase("shrink", formed(FOUR), None),
+    "wait: below the minimum": RuleCase(
+        "wait", formed(FOUR, states={"a1": DEAD}), Kind.WAIT, settings=S(min_world_size=4)
+    ),
+    "wait: within max_wait_s": RuleCase(
+        "wait", formed(FOUR, states={"a1": DEAD}, waiting_since=90.0), Kind.NONE, settings=S(min_world_size=4)
+    ),
+    "wait: max_wait_s ran out": RuleCase(
+        "wait",
+        formed(FOUR, states={"a1": DEAD}, waiting_since=60.0),
+        Kind.HALT,
+        settings=S(min_world_size=4),
+        reason_has=("waited 40.0s",),
+    ),
+    "wait: nothing lost": RuleCase("wait", formed(FOUR), None),
+}
+
+
+@pytest.mark.parametrize("case", RULE_CASES.values(), ids=RULE_CASES.keys())
+def test_each_rule_applies_where_it_says_and_nowhere_else(case: RuleCase) -> None:
+    (rule,) = [r for r in RULES if r.__name__ == case.rule]
+    decision = rule(Situation(case.now, case.state, case.seen, case.settings))
+    assert (decision.kind if decision is not None else None) is case.kind, decision
+    for part in case.reason_has:
+        assert decision is not None and part in decision.reason, decision.reason
+
+
+def test_the_rules_are_tried_in_the_order_of_their_precedence() -> None:
+    assert [r.__name__ for r in RULES] == [
+        "halted",
+        "finished",
+        "state_lost",
+        "form",
+        "readdress",
+        "reform",
+        "grow",
+        "hold_burst",
+        "replace_lost",
+        "shrink",
+        "wait",
+    ]
+    assert all(r.__doc__ for r in RULES)  # each says when it applies
+    # A lost state halts the job before anything else is planned for it, a lost member included.
+    state = formed(FOUR, epoch=3, states={"a1": DEAD}, others=spares("s0"))
+    assert plan(100.0, state, seen(lost_state=StateLost(3, "a2", "gone")), S()).kind is Kind.HALT
+
+
+def test_a_rule_added_to_the_list_decides_where_its_place_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a new rule takes: one function and one entry."""
+    import remesh.coordinator.planner as planner
+
+    def halt_at_five(s: Situation) -> Decision | None:
+        """Halts every job at time 5.0."""
+        return Decision(Kind.HALT, "it is 5.0") if s.now == 5.0 else None
+
+    monkeypatch.setattr(planner, "RULES", (*RULES[:3], halt_at_five, *RULES[3:]))
+    state = formed(FOUR, states={"a1": DEAD}, others=spares("s0"))
+    assert plan(5.0, state, seen(), S()) == Decision(Kind.HALT, "it is 5.0")
+    assert plan(6.0, state, seen(), S()).kind is Kind.REPLACE
+    assert plan(5.0, replace(state, finished_step=9), seen(), S()).kind is Kind.NONE  # after `finished`

@@ -24,6 +24,7 @@ from remesh.coordinator.model import (
     TopologyMember,
     replay,
 )
+from remesh.coordinator.observations import Observations
 from remesh.coordinator.planner import Kind, plan, plan_events
 from remesh.coordinator.settings import DetectorSettings, PlannerSettings
 
@@ -115,7 +116,7 @@ def test_the_next_epoch_carries_the_commits_accepted_before_it() -> None:
     state = commit(commit(job(), step=40), step=60)
     state = replace(state, members={**state.members, "a2": replace(state.members["a2"], state=DEAD)})
     settings = PlannerSettings(world_size=3)
-    decision = plan(NOW, state, {}, settings)
+    decision = plan(NOW, state, Observations(), settings)
     assert decision.kind is Kind.REPLACE
     after = replay(plan_events(NOW, state, decision, settings), state)
     assert after.topology is not None and after.topology.epoch == 3
@@ -129,7 +130,7 @@ def test_an_event_log_with_commits_round_trips_through_json() -> None:
     state = commit(job(), step=30)
     settings = PlannerSettings(world_size=3)
     gone = replace(state, members={**state.members, "a1": replace(state.members["a1"], state=DEAD)})
-    events = plan_events(NOW, gone, plan(NOW, gone, {}, settings), settings)
+    events = plan_events(NOW, gone, plan(NOW, gone, Observations(), settings), settings)
     topology_event = events[-1]
     assert topology_event.topology is not None and topology_event.topology.commits == ((30, 2),)
     assert Event.from_json(topology_event.to_json()) == topology_event
@@ -161,7 +162,7 @@ def test_after_the_job_finished_nobody_is_judged_replaced_or_charged() -> None:
     state = finished()
     gone = {h: replace(m, state=DEAD) for h, m in state.members.items() if h == "a2"}
     assert plan(
-        NOW, replace(state, members={**state.members, **gone}), {}, PlannerSettings(world_size=3)
+        NOW, replace(state, members={**state.members, **gone}), Observations(), PlannerSettings(world_size=3)
     ).kind is (Kind.NONE)
     assert membership.declare(NOW, state, "a2", 1, DEAD, "stream broke") == []
     silent = {h: Liveness(1, last_seen=0.0, stream_broken_at=0.0) for h in state.members}
@@ -202,7 +203,7 @@ def test_members_lost_while_others_are_suspect_are_planned_together(
     states: Mapping[str, MemberState], lost_at: float, now: float, kind: Kind, hosts: tuple[str, ...]
 ) -> None:
     state = job(states=states, changed_at=dict.fromkeys(states, lost_at))
-    decision = plan(now, state, {}, SETTINGS)
+    decision = plan(now, state, Observations(), SETTINGS)
     assert decision.kind is kind, decision.reason
     assert decision.hosts == hosts
     if kind is Kind.HOLD:
@@ -222,12 +223,12 @@ def test_a_burst_of_three_is_one_epoch() -> None:
         now = NOW + t * 0.02
         events = membership.declare(now, state, host, 1, verdict, "stream broke")
         state = replay(events, state)
-        decision = plan(now, state, {}, settings)
+        decision = plan(now, state, Observations(), settings)
         state = replay(plan_events(now, state, decision, settings), state)
         epochs.add(state.epoch)
     assert epochs == {2}  # held: the burst is still being collected
     later = NOW + 0.5  # the detector's next ticks re-plan once the window has passed
-    state = replay(plan_events(later, state, plan(later, state, {}, settings), settings), state)
+    state = replay(plan_events(later, state, plan(later, state, Observations(), settings), settings), state)
     assert state.epoch == 3
     assert state.topology is not None
     assert state.topology.host_ids == ("a0", "s0", "a2", "s1", "a4", "s2")
@@ -303,7 +304,7 @@ def test_a_host_lost_a_moment_ago_is_not_preferred_to_a_real_spare() -> None:
     state = job(spares=("z-spare",))
     back = replace(state.members["a1"], role=Role.SPARE, state=ALIVE, incarnation=2, updated_at=99.99)
     state = replace(state, members={**state.members, "a1": back})
-    decision = plan(NOW + 1, state, {}, SETTINGS)
+    decision = plan(NOW + 1, state, Observations(), SETTINGS)
     assert decision.kind is Kind.REPLACE
     assert decision.hosts == ("a0", "z-spare", "a2")
     assert "a1 lost, registered again since as a spare" in decision.reason
@@ -322,10 +323,10 @@ def test_a_burst_that_reaches_the_coordinator_over_seconds_is_still_one_epoch() 
         now = NOW + i * 0.05
         for verdict in (SUSPECT, DEAD):
             state = replay(membership.declare(now, state, host, 1, verdict, "stream broke"), state)
-        decision = plan(now, state, {}, settings)
+        decision = plan(now, state, Observations(), settings)
         assert decision.kind is Kind.HOLD, (i, decision.reason)
     quiet = NOW + 39 * 0.05 + 0.15  # a tick after the window passed without a loss
-    state = replay(plan_events(quiet, state, plan(quiet, state, {}, settings), settings), state)
+    state = replay(plan_events(quiet, state, plan(quiet, state, Observations(), settings), settings), state)
     assert state.epoch == first + 1
     assert state.topology is not None and not set(hosts[::2]) & set(state.topology.host_ids)
 
@@ -339,6 +340,6 @@ def test_a_burst_that_never_stops_is_planned_at_its_bound() -> None:
     for i, host in enumerate(hosts[:30]):
         now = NOW + i * 0.05
         state = replay(membership.declare(now, state, host, 1, DEAD, "stream broke"), state)
-        kinds.append(plan(now, state, {}, settings).kind)
+        kinds.append(plan(now, state, Observations(), settings).kind)
     assert kinds[:20] == [Kind.HOLD] * 20  # up to 0.95 s after the first loss
     assert kinds[20] is not Kind.HOLD  # 1.0 s: planned, the burst still going

@@ -37,8 +37,10 @@ from hypothesis.stateful import (
 from remesh.coordinator import membership
 from remesh.coordinator.detector import Liveness, Verdict, judge
 from remesh.coordinator.errors import Conflict, CoordinatorError
+from remesh.coordinator.frozen_map import FrozenMap
 from remesh.coordinator.membership import FaultKind
 from remesh.coordinator.model import ClusterState, Event, EventType, MemberState, Role, replay, tally
+from remesh.coordinator.observations import Observations
 from remesh.coordinator.planner import Kind, plan, plan_events
 from remesh.coordinator.settings import DetectorSettings, PlannerSettings
 from remesh.coordinator.store import RedisStore
@@ -117,7 +119,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
             return
         after = replay(events, self.state)
         ready = tally(after.members, self.tally, events).count(MemberState.ALIVE, Role.ACTIVE)
-        decision = plan(now, after, self.steps, self.planner, ready=ready)
+        decision = plan(now, after, Observations(steps=FrozenMap(self.steps)), self.planner, ready=ready)
         self.planned_at = now
         events = events + plan_events(now, after, decision, self.planner, self.job_id)
         if not events:
@@ -371,7 +373,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
 
     @invariant()
     def planning_again_changes_nothing(self) -> None:
-        decision = plan(self.planned_at, self.state, self.steps, self.planner)
+        decision = plan(self.planned_at, self.state, Observations(steps=FrozenMap(self.steps)), self.planner)
         # A hold (members lost while others are suspect) commits nothing either: it waits.
         assert decision.kind in (Kind.NONE, Kind.HOLD), decision.reason
         assert not plan_events(self.planned_at, self.state, decision, self.planner)

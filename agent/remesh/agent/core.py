@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from remesh.v1.contract import ADDRESS_IN_USE_EXIT_CODE, RESTART_EXIT_CODE, STATE_LOST_EXIT_CODE
 
 __all__ = [
+    "LEASE_FLOOR_S",
     "AgentState",
     "Decision",
     "Do",
@@ -25,6 +26,7 @@ __all__ = [
     "TrainerExit",
     "hung",
     "lease_lost",
+    "lease_s",
     "on_fault_reply",
     "on_topology",
     "on_trainer_exit",
@@ -274,6 +276,25 @@ def hung(
     if limit <= 0 or not running or not ranked:
         return False
     return now - max(last_progress, started_at) > limit
+
+
+# The shortest lease this agent derives: a coordinator restart or failover takes seconds (a new
+# leader's lease TTL, this agent's reconnect backoff, its registration), and a shorter lease would stop
+# healthy trainers on every one. The coordinator grants every member a fresh deadline after one.
+LEASE_FLOOR_S = 5.0
+
+
+def lease_s(*, configured: float | None, heartbeat_timeout_s: float) -> float:
+    """How long this agent may be cut off from every coordinator before it stops its ranked trainer.
+
+    ``configured`` (``--lease``; 0 turns the fence off) wins where set. Otherwise as long as the
+    coordinator waits before it declares a silent host dead (``heartbeat_timeout_s``, from its last
+    RegisterResponse; 0 before any): only from then may it have given this host's rank away, so a
+    trainer stopped sooner is stopped for a silence the coordinator rides out. At least
+    ``LEASE_FLOOR_S``; the checkpoint fence covers the moments between a verdict and the lease."""
+    if configured is not None:
+        return configured
+    return max(LEASE_FLOOR_S, heartbeat_timeout_s)
 
 
 def lease_lost(state: AgentState, *, now: float, lease_s: float, running: bool, ranked: bool) -> Decision:

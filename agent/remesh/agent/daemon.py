@@ -137,6 +137,9 @@ class Agent:
         self.session_id = uuid.uuid4().hex
         self.log = log.bind(host=settings.host_id)
         self.incarnation = 0
+        # How long the coordinator waits before it declares a silent host dead, as its last
+        # registration said (0: not registered yet): what the lease derives from.
+        self._heartbeat_timeout_s = 0.0
         self.topology = pb.Topology(epoch=0, restore_step=-1)
         self.topology_changed = asyncio.Condition()
         self.last_step = -1
@@ -360,6 +363,7 @@ class Agent:
         self.metrics.call("Register", time.monotonic() - t_register)
         self.metrics.registrations.inc()
         self.incarnation = reply.member.incarnation
+        self._heartbeat_timeout_s = reply.heartbeat_timeout_s
         self.state = self.state.registered(
             epoch=reply.topology.epoch,
             as_spare_listed_with_rank=reply.member.role == pb.ROLE_SPARE
@@ -539,12 +543,17 @@ class Agent:
                 await asyncio.wait_for(self._progress.wait(), interval)
             self._progress.clear()
 
+    def _lease_s(self) -> float:
+        """How long this host may be cut off before its ranked trainer stops (``core.lease_s``):
+        ``--lease``, else derived from the heartbeat timeout the coordinator sent."""
+        return core.lease_s(configured=self.settings.lease_s, heartbeat_timeout_s=self._heartbeat_timeout_s)
+
     async def _lease_watch(self) -> None:
-        """Stop the ranked trainer once no coordinator has been reachable for ``lease_s``."""
-        lease_s = self.settings.lease_s
-        if lease_s <= 0:
-            return
+        """Stop the ranked trainer once no coordinator has been reachable for the lease."""
+        if self._lease_s() <= 0:
+            return  # --lease 0: no fence
         while True:
+            lease_s = self._lease_s()
             await asyncio.sleep(min(0.1, lease_s / 4))
             trainer = self.trainer
             now, lost_at = time.monotonic(), self.state.lost_at
@@ -916,22 +925,9 @@ class Agent:
         """Tell the coordinator, which records it in the job's event log (``told_for``: the
         incarnation it is told for). A call that found no coordinator is made again with the
         trainer's next report that names the tier."""
-
-        def report(stub: pb_grpc.CoordinatorStub, incarnation: int) -> Awaitable[pb.ReportFaultResponse]:
-            return stub.ReportFault(
-                pb.ReportFaultRequest(
-                    host_id=self.settings.host_id,
-                    incarnation=incarnation,
-                    kind=pb.FAULT_KIND_TIER_MISSING,
-                    epoch=epoch,
-                    tier=tier,
-                    detail=error,
-                ),
-                timeout=2,
-            )
-
         try:
-            reply = await self._relay("ReportFault", report)
+            missing = pb.TierMissingObservation(tier=tier, detail=error)
+            reply = await self._observed(pb.ObserveRequest(epoch=epoch, tier_missing=missing))
         except grpc.aio.AioRpcError as exc:
             if exc.code() in _RELAY_AGAIN and self._tiers_told.get(tier) == told_for:
                 del self._tiers_told[tier]
@@ -1061,8 +1057,8 @@ class Agent:
             step=request.step,
             blocked_s=round(request.blocked_s, 2),
         )
-        detail = f"blocked {request.blocked_s:.2f}s in the step after {request.step}"
-        await self._observed(pb.FAULT_KIND_STALLED, request.epoch, request.step, detail)
+        stall = pb.StallObservation(step=request.step)
+        await self._observed(pb.ObserveRequest(epoch=request.epoch, stall=stall))
 
     async def report_collective_failure(self, request: apb.LocalCollectiveFailureRequest) -> None:
         """A collective of the epoch failed in the trainer, which left the epoch and waits for the
@@ -1070,25 +1066,19 @@ class Agent:
         self.log.warning(
             "trainer's collective failed", epoch=request.epoch, step=request.step, detail=request.detail
         )
-        await self._observed(pb.FAULT_KIND_COLLECTIVE_FAILED, request.epoch, request.step, request.detail)
+        failure = pb.CollectiveFailureObservation(detail=request.detail)
+        await self._observed(pb.ObserveRequest(epoch=request.epoch, collective_failure=failure))
 
-    async def _observed(self, kind: pb.FaultKind, epoch: int, step: int, detail: str) -> None:
-        """Relay what the trainer observed (a stall, a failed collective) as a fault report."""
+    async def _observed(self, observed: pb.ObserveRequest) -> pb.ObserveResponse:
+        """Relay what the trainer observed (``observed``: its epoch and the observation; this host's
+        identity is filled in) to the coordinator, which weighs it: no fault of this host."""
 
-        def report(stub: pb_grpc.CoordinatorStub, incarnation: int) -> Awaitable[pb.ReportFaultResponse]:
-            return stub.ReportFault(
-                pb.ReportFaultRequest(
-                    host_id=self.settings.host_id,
-                    incarnation=incarnation,
-                    kind=kind,
-                    epoch=epoch,
-                    step=step,
-                    detail=detail,
-                ),
-                timeout=2,
-            )
+        def observe(stub: pb_grpc.CoordinatorStub, incarnation: int) -> Awaitable[pb.ObserveResponse]:
+            request = pb.ObserveRequest(host_id=self.settings.host_id, incarnation=incarnation)
+            request.MergeFrom(observed)
+            return stub.Observe(request, timeout=2)
 
-        await self._relay("ReportFault", report)
+        return await self._relay("Observe", observe)
 
     async def finish(self, request: apb.LocalFinishRequest) -> None:
         """The trainer completed the job's last step: tell the coordinator, and from now on take no

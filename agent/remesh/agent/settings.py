@@ -72,9 +72,10 @@ class AgentSettings:
     # An agent that has had no stream to any coordinator for this long assumes it was cut off and
     # declared dead (its rank given to another host): it stops its ranked trainer, which must not
     # train or write for an epoch it no longer belongs to, and rejoins as a spare when the link
-    # returns. Longer than a coordinator restart takes (the coordinator grants every member a fresh
-    # deadline after one); the checkpoint fence covers the moments in between. 0 turns it off.
-    lease_s: float = 5.0
+    # returns. None: derived from the heartbeat timeout the coordinator sends (``core.lease_s``:
+    # as long as the coordinator waits before declaring a silent host dead, at least 5 s, longer
+    # than a coordinator restart takes). 0 turns it off.
+    lease_s: float | None = None
     # Niceness added to the trainer process. The agent's heartbeats decide whether the host is
     # alive: where the trainer saturates the CPU (JAX starting or compiling, snapshot copies on a
     # small host), they must not wait behind it. 10 gives the agent about nine times the trainer's

@@ -448,6 +448,48 @@ class ReportFaultResponse(_message.Message):
     reason: str
     def __init__(self, member_dead: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class ObserveRequest(_message.Message):
+    __slots__ = ("host_id", "incarnation", "epoch", "stall", "collective_failure", "tier_missing")
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STALL_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_FAILURE_FIELD_NUMBER: _ClassVar[int]
+    TIER_MISSING_FIELD_NUMBER: _ClassVar[int]
+    host_id: str
+    incarnation: int
+    epoch: int
+    stall: StallObservation
+    collective_failure: CollectiveFailureObservation
+    tier_missing: TierMissingObservation
+    def __init__(self, host_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., epoch: _Optional[int] = ..., stall: _Optional[_Union[StallObservation, _Mapping]] = ..., collective_failure: _Optional[_Union[CollectiveFailureObservation, _Mapping]] = ..., tier_missing: _Optional[_Union[TierMissingObservation, _Mapping]] = ...) -> None: ...
+
+class StallObservation(_message.Message):
+    __slots__ = ("step",)
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    def __init__(self, step: _Optional[int] = ...) -> None: ...
+
+class CollectiveFailureObservation(_message.Message):
+    __slots__ = ("detail",)
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    detail: str
+    def __init__(self, detail: _Optional[str] = ...) -> None: ...
+
+class TierMissingObservation(_message.Message):
+    __slots__ = ("tier", "detail")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    detail: str
+    def __init__(self, tier: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class ObserveResponse(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
 class CommitCheckpointRequest(_message.Message):
     __slots__ = ("host_id", "incarnation", "epoch", "step", "tier")
     HOST_ID_FIELD_NUMBER: _ClassVar[int]

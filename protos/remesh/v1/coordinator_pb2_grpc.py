@@ -84,6 +84,11 @@ class CoordinatorStub:
                 request_serializer=remesh_dot_v1_dot_coordinator__pb2.ReportFaultRequest.SerializeToString,
                 response_deserializer=remesh_dot_v1_dot_coordinator__pb2.ReportFaultResponse.FromString,
                 _registered_method=True)
+        self.Observe = channel.unary_unary(
+                '/remesh.v1.Coordinator/Observe',
+                request_serializer=remesh_dot_v1_dot_coordinator__pb2.ObserveRequest.SerializeToString,
+                response_deserializer=remesh_dot_v1_dot_coordinator__pb2.ObserveResponse.FromString,
+                _registered_method=True)
         self.Drain = channel.unary_unary(
                 '/remesh.v1.Coordinator/Drain',
                 request_serializer=remesh_dot_v1_dot_coordinator__pb2.DrainRequest.SerializeToString,
@@ -166,6 +171,16 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Observe(self, request, context):
+        """What a member's trainer observed (a stall, a failed collective, a missing tier). Refused as a
+        fault report is: INVALID_ARGUMENT when malformed (no observation, an epoch never published,
+        text with control characters), FAILED_PRECONDITION from an incarnation that is not current.
+        Upgrade coordinators before agents: one that predates this call answers UNIMPLEMENTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Drain(self, request, context):
         """Admin: take a member out of the topology (replaced like a failure), then ask it to leave.
         """
@@ -242,6 +257,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ReportFault,
                     request_deserializer=remesh_dot_v1_dot_coordinator__pb2.ReportFaultRequest.FromString,
                     response_serializer=remesh_dot_v1_dot_coordinator__pb2.ReportFaultResponse.SerializeToString,
+            ),
+            'Observe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Observe,
+                    request_deserializer=remesh_dot_v1_dot_coordinator__pb2.ObserveRequest.FromString,
+                    response_serializer=remesh_dot_v1_dot_coordinator__pb2.ObserveResponse.SerializeToString,
             ),
             'Drain': grpc.unary_unary_rpc_method_handler(
                     servicer.Drain,
@@ -529,6 +549,33 @@ class Coordinator:
             '/remesh.v1.Coordinator/ReportFault',
             remesh_dot_v1_dot_coordinator__pb2.ReportFaultRequest.SerializeToString,
             remesh_dot_v1_dot_coordinator__pb2.ReportFaultResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Observe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/remesh.v1.Coordinator/Observe',
+            remesh_dot_v1_dot_coordinator__pb2.ObserveRequest.SerializeToString,
+            remesh_dot_v1_dot_coordinator__pb2.ObserveResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -66,8 +66,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--lease",
         type=float,
-        default=5.0,
-        help="seconds without any coordinator after which the trainer is stopped as cut off (0: never)",
+        default=None,
+        help="seconds without any coordinator after which the trainer is stopped as cut off (0: never; "
+        "default: as long as the coordinator waits before declaring a silent host dead, at least 5)",
     )
     p.add_argument(
         "--trainer-nice",

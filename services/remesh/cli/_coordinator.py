@@ -13,7 +13,7 @@ from typing import Any
 import structlog
 
 from remesh.cli.tls_options import add_tls_arguments, tls_from_args
-from remesh.coordinator.settings import PlannerSettings, Settings
+from remesh.coordinator.settings import InvalidSettings, PlannerSettings, Settings
 from remesh.embedded import RedisServer
 from remesh.v1.security import Tls
 
@@ -133,7 +133,30 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(run=run)
 
 
-def settings_from_args(args: argparse.Namespace, redis_url: str) -> Settings:
+# The flag that sets each settings field (or ``for_fleet`` argument), for the usage error of settings
+# that contradict themselves (``InvalidSettings``).
+_FLAGS = {
+    "world_size": "--world-size",
+    "min_world_size": "--min-world-size",
+    "world_size_must_divide": "--must-divide",
+    "max_wait_s": "--max-wait",
+    "jax_port_base": "--jax-port-base",
+    "jax_port_span": "--jax-port-span",
+    "hosts": "--fleet-size",
+    "beats_per_second": "--heartbeat-budget",
+    "heartbeat_interval_s": "--heartbeat-interval",
+    "suspect_after_s": "--heartbeat-interval",
+    "heartbeat_timeout_s": "--heartbeat-timeout",
+    "max_members": "--max-members",
+    "max_events": "--max-events",
+    "member_retention_s": "--member-retention",
+    "lease_ttl_s": "--lease-ttl",
+}
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """The settings the flags ask for; ``InvalidSettings`` where they contradict each other, OSError
+    where the Redis password file cannot be read."""
     base = Settings.production() if args.preset == "production" else Settings.local()
     d = base.detector.for_fleet(args.fleet_size or args.world_size, args.heartbeat_budget)
     if args.heartbeat_interval:
@@ -150,17 +173,13 @@ def settings_from_args(args: argparse.Namespace, redis_url: str) -> Settings:
         d = replace(d, stream_break_signal=False)
     planner = replace(
         base.planner,
-        # A suspect's verdict comes within the silence between suspect and dead: wait at least that.
-        suspect_hold_s=max(base.planner.suspect_hold_s, d.heartbeat_timeout_s - d.suspect_after_s + 0.2),
-        # Re-forming after a failed collective waits out the detector's verdicts on a stopped member.
-        reform_after_s=max(base.planner.reform_after_s, max(d.heartbeat_timeout_s, d.stall_verdict_s) + 0.4),
         world_size=args.world_size,
         min_world_size=args.min_world_size,
         world_size_must_divide=args.must_divide,
         max_wait_s=args.max_wait,
         jax_port_base=args.jax_port_base,
         jax_port_span=args.jax_port_span,
-    )
+    ).covering(d)
     ha = replace(base.ha, enabled=bool(args.ha or args.advertise), advertise=args.advertise or "")
     if args.lease_ttl:
         ha = replace(ha, lease_ttl_s=args.lease_ttl)
@@ -169,7 +188,7 @@ def settings_from_args(args: argparse.Namespace, redis_url: str) -> Settings:
         password = Path(args.redis_password_file).read_text().strip()
     return Settings(
         job_id=args.job,
-        redis_url=redis_url,
+        redis_url=args.redis,
         redis_username=args.redis_username,
         redis_password=password,
         redis_ca_file=args.redis_ca_file,
@@ -186,51 +205,27 @@ def settings_from_args(args: argparse.Namespace, redis_url: str) -> Settings:
 
 
 def run(args: argparse.Namespace) -> int:
-    checks = (
-        (
-            args.world_size >= 1 and args.min_world_size <= args.world_size,
-            "invalid sizes",
-            f"--world-size ({args.world_size}) must be >= 1 and >= --min-world-size ({args.min_world_size})",
-        ),
-        (
-            args.heartbeat_budget > 0 and args.fleet_size >= 0,
-            "invalid heartbeat budget",
-            "--heartbeat-budget must be positive and --fleet-size at least 0",
-        ),
-        (
-            args.max_members >= 1 and args.max_events >= 10 and args.member_retention >= 0,
-            "invalid limits",
-            "--max-members must be >= 1, --max-events >= 10 and --member-retention >= 0",
-        ),
-        (
-            args.jax_port_span >= 1 and 1024 <= args.jax_port_base <= 65536 - args.jax_port_span,
-            "invalid JAX port range",
-            f"the range [--jax-port-base, --jax-port-base + --jax-port-span) = [{args.jax_port_base}, "
-            f"{args.jax_port_base + args.jax_port_span}) must lie within 1024-65535",
-        ),
-    )
-    for ok, message, hint in checks:
-        if not ok:
-            log.error(message, hint=hint)
-            return 2
+    try:
+        settings = settings_from_args(args)
+    except InvalidSettings as exc:
+        flags = sorted({_FLAGS[f] for f in exc.fields if f in _FLAGS})
+        log.error(exc.title, hint=str(exc), flags=", ".join(flags) or None)
+        return 2
+    except OSError as exc:
+        log.error("invalid settings", error=str(exc))
+        return 2
     try:
         tls = tls_from_args(args)
     except ValueError as exc:
         log.error("invalid TLS settings", error=str(exc))
         return 2
     embedded = None
-    redis_url = args.redis
-    if redis_url == "embedded":
+    if args.redis == "embedded":
         # On a Unix socket: a private server needs no TCP port (and some hosts allow none).
         embedded = RedisServer(unix=True).start()
-        redis_url = embedded.url
-        log.info("embedded redis started", url=redis_url, dir=embedded.directory)
+        settings = replace(settings, redis_url=embedded.url)
+        log.info("embedded redis started", url=embedded.url, dir=embedded.directory)
     try:
-        try:
-            settings = settings_from_args(args, redis_url)
-        except OSError as exc:
-            log.error("invalid settings", error=str(exc))
-            return 2
         return asyncio.run(_serve(settings, tls, args.port_file))
     finally:
         if embedded is not None:

@@ -2,8 +2,8 @@
 
 Layers, inner to outer (an inner one never imports an outer one):
 
-- ``model``, ``membership``, ``detector``, ``planner``: the pure core — data, transitions, verdicts,
-  decisions. No I/O, no clock.
+- ``model``, ``membership``, ``detector``, ``observations``, ``planner``: the pure core — data,
+  transitions, verdicts, what agents said beside the event log, decisions. No I/O, no clock.
 - ``store``, ``state_codec``: Redis (atomic commits, the event stream; the state's layout in it).
 - ``service``, ``agent_stream``, ``doorbell``: the asyncio engine that runs the core against the
   store, keeps liveness in memory and queues commands on agents' streams.

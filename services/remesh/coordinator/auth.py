@@ -45,6 +45,7 @@ POLICY: Mapping[str, Rule] = {
     "Leave": _AGENT,
     "AckEpoch": _AGENT,
     "ReportFault": _AGENT,
+    "Observe": _AGENT,
     "CommitCheckpoint": _AGENT,
     "Finish": _AGENT,
     # The topology is what every agent follows.

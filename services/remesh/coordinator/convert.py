@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from remesh.coordinator.agent_stream import Command
 from remesh.coordinator.model import Event, EventType, Member, MemberState, Role, Topology, TopologyMember
+from remesh.coordinator.observations import (
+    CollectiveFailureReport,
+    Report,
+    StallReport,
+    TierMissingReport,
+)
 from remesh.v1 import coordinator_pb2 as pb
 
 __all__ = [
@@ -11,9 +17,11 @@ __all__ = [
     "event_from_pb",
     "event_to_pb",
     "event_type_from_pb",
+    "legacy_report_from_pb",
     "member_from_pb",
     "member_state_from_pb",
     "member_to_pb",
+    "report_from_pb",
     "role_from_pb",
     "topology_from_pb",
     "topology_to_pb",
@@ -57,6 +65,31 @@ def member_state_from_pb(value: int) -> MemberState:
         return _STATE_BACK[value]
     except KeyError:
         raise ValueError(f"unknown member state {value}") from None
+
+
+def report_from_pb(request: pb.ObserveRequest) -> Report:
+    """The observation an ``Observe`` call carries; ValueError when it carries none."""
+    which = request.WhichOneof("observation")
+    if which == "stall":
+        return StallReport(request.stall.step)
+    if which == "collective_failure":
+        return CollectiveFailureReport(request.collective_failure.detail)
+    if which == "tier_missing":
+        return TierMissingReport(request.tier_missing.tier, request.tier_missing.detail)
+    raise ValueError("the request carries no observation: set one of stall, collective_failure, tier_missing")
+
+
+def legacy_report_from_pb(request: pb.ReportFaultRequest) -> Report | None:
+    """The observation a fault report of a deprecated kind carries (None: a fault of another kind).
+    Agents of remesh 0.1.0 send their trainer's observations as fault reports; until remesh 0.3.0
+    the coordinator handles them as the ``Observe`` call carrying them."""
+    if request.kind == pb.FAULT_KIND_STALLED:
+        return StallReport(request.step)
+    if request.kind == pb.FAULT_KIND_COLLECTIVE_FAILED:
+        return CollectiveFailureReport(request.detail)
+    if request.kind == pb.FAULT_KIND_TIER_MISSING:
+        return TierMissingReport(request.tier, request.detail)
+    return None
 
 
 def event_type_from_pb(value: int) -> EventType:

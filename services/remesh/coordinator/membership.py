@@ -39,7 +39,10 @@ __all__ = [
     "FaultKind",
     "FaultOutcome",
     "ack_epoch",
+    "check_epoch",
+    "check_text",
     "commit_checkpoint",
+    "current_incarnation",
     "current_member",
     "declare",
     "drain",
@@ -48,6 +51,7 @@ __all__ = [
     "forgettable",
     "heartbeat",
     "leave",
+    "of_running_epoch",
     "register",
     "report_fault",
     "tier_missing",
@@ -76,13 +80,14 @@ TIERS_NOTED = 8
 
 
 class FaultKind(enum.StrEnum):
+    """What a fault report says happened to a member's trainer or host. What a trainer merely
+    observed (a stall, a failed collective, a missing tier) is no fault: ``observations``."""
+
     TRAINER_EXITED = "trainer_exited"
     TRAINER_HUNG = "trainer_hung"
     HOST = "host"
     ADDRESS_IN_USE = "address_in_use"
-    STALLED = "stalled"
     STATE_LOST = "state_lost"
-    COLLECTIVE_FAILED = "collective_failed"
 
 
 @dataclass(frozen=True)
@@ -90,11 +95,6 @@ class FaultOutcome:
     events: list[Event]
     member_dead: bool
     reason: str
-    # Set when the job cannot go on: the reason the planner halts it with.
-    halt: str | None = None
-    # A member of the current epoch said a collective of it failed: the planner counts it
-    # (``planner.Broken``).
-    broken: bool = False
 
 
 def validate_host_id(host_id: str, max_length: int) -> None:
@@ -108,13 +108,34 @@ def validate_host_id(host_id: str, max_length: int) -> None:
         )
 
 
-def _text(name: str, value: str) -> None:
+def check_text(name: str, value: str) -> None:
+    """Free-form text from a client: bounded, and plain (no control characters)."""
     if len(value) > _MAX_TEXT:
         raise InvalidRequest(f"{name} is {len(value)} characters long; the limit is {_MAX_TEXT}")
     if _CONTROL.search(value):
         raise InvalidRequest(
             f"{name} contains control characters (terminal escapes, newlines): send plain text"
         )
+
+
+def check_epoch(state: ClusterState, epoch: int) -> None:
+    """An epoch a member's report names: one the coordinator published."""
+    if epoch < 0:
+        raise InvalidRequest(f"epoch {epoch} is negative")
+    if epoch > state.epoch:
+        raise InvalidRequest(f"epoch {epoch} was never published (current {state.epoch})")
+
+
+def of_running_epoch(state: ClusterState, host_id: str, epoch: int) -> bool:
+    """Whether a report of ``epoch`` from ``host_id`` is of the epoch that runs now, from one of its
+    members."""
+    topology = state.topology
+    return (
+        topology is not None
+        and not topology.halted
+        and epoch == topology.epoch
+        and host_id in topology.host_set
+    )
 
 
 def _address(value: str) -> None:
@@ -150,7 +171,7 @@ def _member(state: ClusterState, host_id: str, max_length: int) -> Member:
     return member
 
 
-def _current(state: ClusterState, host_id: str, incarnation: int, max_length: int) -> Member:
+def current_incarnation(state: ClusterState, host_id: str, incarnation: int, max_length: int = 128) -> Member:
     """The member, if ``incarnation`` is its current one; stale or future incarnations are refused."""
     member = _member(state, host_id, max_length)
     if incarnation < member.incarnation:
@@ -175,7 +196,7 @@ def _refuse_if_finished(state: ClusterState) -> None:
 
 def current_member(state: ClusterState, host_id: str, incarnation: int, max_length: int = 128) -> Member:
     """The member, if ``incarnation`` is its current one and it is not gone; a refusal otherwise."""
-    member = _current(state, host_id, incarnation, max_length)
+    member = current_incarnation(state, host_id, incarnation, max_length)
     if member.state in (MemberState.DEAD, MemberState.LEFT):
         raise Rejected(f"{host_id} incarnation {incarnation} is {member.state.value} ({member.reason})")
     return member
@@ -293,7 +314,7 @@ def heartbeat(
     now: float, state: ClusterState, host_id: str, incarnation: int, max_length: int = 128
 ) -> list[Event]:
     """A heartbeat of the current incarnation: joining or suspect members become alive."""
-    member = _current(state, host_id, incarnation, max_length)
+    member = current_incarnation(state, host_id, incarnation, max_length)
     if member.state in (MemberState.DEAD, MemberState.LEFT):
         raise Rejected(
             f"{host_id} incarnation {incarnation} is {member.state.value} ({member.reason}): register again"
@@ -327,8 +348,8 @@ def declare(
 def leave(
     now: float, state: ClusterState, host_id: str, incarnation: int, reason: str, max_length: int = 128
 ) -> list[Event]:
-    member = _current(state, host_id, incarnation, max_length)
-    _text("reason", reason)
+    member = current_incarnation(state, host_id, incarnation, max_length)
+    check_text("reason", reason)
     if member.state in (MemberState.LEFT, MemberState.DEAD):
         return []
     why = f"left: {reason or 'no reason given'}"
@@ -338,7 +359,7 @@ def leave(
 
 def drain(now: float, state: ClusterState, host_id: str, reason: str, max_length: int = 128) -> list[Event]:
     member = _member(state, host_id, max_length)
-    _text("reason", reason)
+    check_text("reason", reason)
     if member.state is MemberState.DRAINING:
         return []
     if not member.state.is_up:
@@ -368,12 +389,9 @@ def report_fault(
     already failing, or it had reported being blocked in a step of this epoch (``blocked_since``:
     it waited for a peer until its collective gave up).
     """
-    member = _current(state, host_id, incarnation, max_length)
-    _text("detail", detail)
-    if epoch < 0:
-        raise InvalidRequest(f"epoch {epoch} is negative")
-    if epoch > state.epoch:
-        raise InvalidRequest(f"epoch {epoch} was never published (current {state.epoch})")
+    member = current_incarnation(state, host_id, incarnation, max_length)
+    check_text("detail", detail)
+    check_epoch(state, epoch)
     details = FaultDetails(kind.value, epoch, exit_code, detail)
     topology = state.topology
     in_topology = topology is not None and host_id in topology.host_set
@@ -383,27 +401,7 @@ def report_fault(
         if topology is not None and in_topology
         else []
     )
-    # The report is of the epoch that runs now, from one of its members.
-    running = topology is not None and not topology.halted and epoch == topology.epoch and in_topology
-    if kind is FaultKind.STALLED:
-        # An observation the detector weighs (``detector.judge_stalls``), never a fault by itself.
-        return FaultOutcome([], False, f"{host_id} reported its trainer blocked in epoch {epoch}")
-    if kind is FaultKind.COLLECTIVE_FAILED:
-        # An observation too: the trainer left the epoch in-process and waits for the next one. A
-        # member lost explains the failure and is replaced; when every member reported it, or none
-        # was lost within the detection window, the planner forms the same members again.
-        if not running or state.finished:
-            return FaultOutcome(
-                [],
-                False,
-                f"collective failure in epoch {epoch} from {host_id}: not of the running epoch, ignored",
-            )
-        return FaultOutcome(
-            [],
-            False,
-            f"{host_id} reported a failed collective in epoch {epoch}: {detail or 'no detail'}",
-            broken=True,
-        )
+    running = of_running_epoch(state, host_id, epoch)
     if state.finished:
         # A trainer that aborts after the job's last step (JAX's shutdown with a peer already gone)
         # cost nothing: nothing is recorded.
@@ -411,26 +409,13 @@ def report_fault(
             [], False, f"the job finished at step {state.finished_step}: {kind.value} is not a fault"
         )
     if kind is FaultKind.STATE_LOST:
-        # A member of the current epoch found no tier holding any step of the job: no member holds
-        # one in memory, and no committed checkpoint is readable. Starting from step 0 would
-        # silently throw the run away, and no other epoch can find more state than this one did:
-        # the job halts, saying why.
-        if not running:
+        # A member of the current epoch found no tier holding any step of the job: blamed on nobody.
+        # The coordinator notes it (``observations.state_lost``) and the planner halts the job.
+        if running:
+            reason = f"state_lost: {detail or 'no tier holds the restore step'}"
+        else:
             reason = f"state_lost for epoch {epoch} from {host_id}: not the current epoch, ignored"
-            return FaultOutcome(
-                [_fault_event(now, state, host_id, incarnation, reason, details)], False, reason
-            )
-        assert topology is not None
-        reason = f"state_lost: {detail or 'no tier holds the restore step'}"
-        halt = (
-            f"halted: no tier holds any step of the job, whose survivors had completed step "
-            f"{topology.restore_step} (no host-memory snapshot, surviving replica or buddy copy, and no "
-            f"readable committed checkpoint). Restart the job from a checkpoint you trust, or from "
-            f"scratch on purpose; {host_id} reported: {detail}"
-        )
-        return FaultOutcome(
-            [_fault_event(now, state, host_id, incarnation, reason, details)], False, reason, halt
-        )
+        return FaultOutcome([_fault_event(now, state, host_id, incarnation, reason, details)], False, reason)
     if kind is FaultKind.ADDRESS_IN_USE:
         # Rank 0's trainer found the epoch's JAX coordination port taken by another process: no
         # fault of the host. For the current epoch, reported by its rank 0, the event marks the
@@ -507,11 +492,8 @@ def tier_missing(
     current_member(state, host_id, incarnation, max_length)
     if not _TIER.fullmatch(tier):
         raise InvalidRequest(f"tier {tier[:40]!r} is not a short lowercase name like 'host-shm' or 'buddy'")
-    _text("detail", detail)
-    if epoch < 0:
-        raise InvalidRequest(f"epoch {epoch} is negative")
-    if epoch > state.epoch:
-        raise InvalidRequest(f"epoch {epoch} was never published (current {state.epoch})")
+    check_text("detail", detail)
+    check_epoch(state, epoch)
     if state.finished:
         return [], f"the job finished at step {state.finished_step}: {tier} on {host_id} keeps nothing more"
     if tier in noted:
@@ -556,18 +538,18 @@ def ack_epoch(
     ``restored_bytes``: where its state came from, bytes per tier (recorded with the event).
     ``reached_step``: the newest step its trainer completed before ``epoch`` (-1: none it knows of),
     recorded where known: the progress reports the topology's reached_step came from may lag it."""
-    member = _current(state, host_id, incarnation, max_length)
+    member = current_incarnation(state, host_id, incarnation, max_length)
     if not member.state.is_up:
         raise Rejected(
             f"{host_id} is {member.state.value}: a member that is not up cannot acknowledge an epoch"
         )
-    _text("restore_source", restore_source)
+    check_text("restore_source", restore_source)
     _phases(phases)
     tiers = dict(restored_bytes or {})
     if len(tiers) > 16:
         raise InvalidRequest(f"restored_bytes names {len(tiers)} tiers; the limit is 16")
     for tier, nbytes in tiers.items():
-        _text("restored_bytes tier", tier)
+        check_text("restored_bytes tier", tier)
         if not tier or nbytes < 0:
             raise InvalidRequest(f"restored_bytes: {tier!r} -> {nbytes} is not a tier and a byte count")
     topology = state.topology
@@ -640,7 +622,7 @@ def commit_checkpoint(
     host paused or cut off through an epoch change) is refused however long it was away, because the
     epoch it names is no longer current here. An accepted commit is recorded once per tier.
     """
-    member = _current(state, host_id, incarnation, max_length)
+    member = current_incarnation(state, host_id, incarnation, max_length)
     if step < 0:
         raise InvalidRequest(f"step {step} is negative")
     if not _TIER.fullmatch(tier):
@@ -671,7 +653,7 @@ def finish(
 ) -> list[Event]:
     """A member of the current epoch completed the job's last step (after every member did: the
     trainer waits for all at a barrier first): the job is finished. Later reports change nothing."""
-    member = _current(state, host_id, incarnation, max_length)
+    member = current_incarnation(state, host_id, incarnation, max_length)
     if step < 0:
         raise InvalidRequest(f"step {step} is negative")
     if state.finished:

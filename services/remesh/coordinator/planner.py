@@ -1,30 +1,37 @@
-"""The planner: from observed membership to the next topology, with a reason. Pure.
+"""The planner: from the stored state and what was observed, the next topology, with a reason. Pure.
 
-``plan(now, state, steps, settings)`` looks at the current topology and the members' states and
-decides one of:
+``plan(now, state, observations, settings)`` is the coordinator's one decision point. It tries
+``RULES`` in order, each a small function that applies in one situation and says what to do there;
+the first that applies decides:
 
-- FORM     no topology yet and enough eligible hosts: the first epoch.
-- REPLACE  members of the topology are gone and enough spares are up: each spare takes a lost
-           member's rank, every survivor keeps its own (same world size, same mesh).
-- SHRINK   not enough spares: the largest valid world size from survivors and spares, survivors
-           first in their old order.
-- GROW     nothing lost, the job runs below its target size and spares are up.
+- NONE      the job halted or finished: nothing more, ever.
+- HALT      a member of the running epoch found no state to restore (``Observations.lost_state``).
+- FORM      no topology yet and enough eligible hosts: the first epoch (NONE until there are).
 - READDRESS nothing lost, but rank 0 found the epoch's JAX coordination port taken: the same
-           members in a new epoch (whose port differs).
-- REFORM   nothing lost, but members said a collective of the epoch failed (``Broken``; a network
-           failure between healthy hosts): the same members in a new epoch, once every member said
-           so, or once ``settings.reform_after_s`` passed without a loss (a lost member would
-           have explained the failure and been replaced instead). Held until then.
-- HOLD     members are lost: the plan waits until ``settings.burst_window_s`` passed without
-           another loss or suspicion (at most ``settings.burst_max_s`` from the first), for the rest
-           of a burst however long it spreads, and while others of the topology are suspect (their
-           verdicts are near: dead, or refuted by a heartbeat) up to ``settings.suspect_hold_s``, so
-           a correlated failure becomes one epoch instead of one per host.
-- WAIT     below the minimum size: wait (a JOB_WAITING event marks the start) up to a bound.
-- HALT     the wait ran out: a final, empty topology with the reason.
-- NONE     nothing to do.
+            members in a new epoch (whose port differs).
+- REFORM    nothing lost, but members said a collective of the epoch failed
+            (``Observations.collective_failures``; a network failure between healthy hosts): the
+            same members in a new epoch, once every member said so, or once
+            ``settings.reform_after_s`` passed without a loss (a lost member would have explained
+            the failure and been replaced instead). HOLD until then; HALT after
+            ``settings.max_futile_reforms`` re-forms in a row that completed no step.
+- GROW      nothing lost, the job runs below its target size and spares are up (NONE: healthy).
+- HOLD      members are lost: the plan waits until ``settings.burst_window_s`` passed without
+            another loss or suspicion (at most ``settings.burst_max_s`` from the first), for the rest
+            of a burst however long it spreads, and while others of the topology are suspect (their
+            verdicts are near: dead, or refuted by a heartbeat) up to ``settings.suspect_hold_s``, so
+            a correlated failure becomes one epoch instead of one per host.
+- REPLACE   enough spares are up: each spare takes a lost member's rank, every survivor keeps its
+            own (same world size, same mesh).
+- SHRINK    not enough spares: the largest valid world size from survivors and spares, survivors
+            first in their old order.
+- WAIT      below the minimum size: wait (a JOB_WAITING event marks the start) up to a bound; then
+            HALT, a final, empty topology with the reason.
 
-It reads no clock and does no I/O; ``plan_events`` turns a decision into the events to commit.
+A new rule is one function taking the ``Situation`` and returning a ``Decision``, or None where it
+does not apply (its guard clauses say where: a rule never relies on the ones before it), and one
+entry in ``RULES`` at the place its precedence says. It reads no clock and
+does no I/O; ``plan_events`` turns a decision into the events to commit.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from __future__ import annotations
 import enum
 import functools
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from remesh.coordinator.model import (
@@ -46,9 +53,10 @@ from remesh.coordinator.model import (
     TopologyMember,
     tally,
 )
+from remesh.coordinator.observations import REFORM_DECISION, Observations
 from remesh.coordinator.settings import PlannerSettings
 
-__all__ = ["Broken", "Decision", "Kind", "natural_key", "plan", "plan_events"]
+__all__ = ["RULES", "Decision", "Kind", "Situation", "natural_key", "plan", "plan_events"]
 
 
 class Kind(enum.StrEnum):
@@ -58,7 +66,7 @@ class Kind(enum.StrEnum):
     SHRINK = "shrink"
     GROW = "grow"
     READDRESS = "readdress"
-    REFORM = "reform"
+    REFORM = REFORM_DECISION
     HOLD = "hold"
     WAIT = "wait"
     HALT = "halt"
@@ -71,26 +79,10 @@ _DIGITS = re.compile(r"(\d+)")
 class Decision:
     kind: Kind
     reason: str
-    # The new ordered active set (FORM, REPLACE, SHRINK, GROW).
+    # The new ordered active set (FORM, REPLACE, SHRINK, GROW, READDRESS, REFORM).
     hosts: tuple[str, ...] = ()
     restore_step: int = -1
     details: Mapping[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Broken:
-    """Members of an epoch said a collective of it failed (``FAULT_KIND_COLLECTIVE_FAILED``): their
-    trainers left it and wait for the next. Observations the coordinator keeps in memory, as it keeps
-    stall reports: the event log records the new epoch they lead to, with its reason."""
-
-    epoch: int
-    # When the first of them said so.
-    since: float
-    # How many members of the epoch said so.
-    reported: int
-    # The re-forms in a row that led here whose epochs completed no step (the epoch's restore step
-    # is the one before): the same hosts failing a collective each time.
-    futile: int = 0
 
 
 @functools.lru_cache(maxsize=65536)
@@ -114,192 +106,356 @@ def _grown(hosts: Sequence[str], spares: Sequence[str], settings: PlannerSetting
     return (*hosts, *spares[: max(0, target - len(hosts))])
 
 
-def plan(
-    now: float,
-    state: ClusterState,
-    steps: Mapping[str, int],
-    settings: PlannerSettings,
-    reached: int | None = None,
-    ready: int | None = None,
-    broken: Broken | None = None,
-) -> Decision:
-    """``reached``: the furthest step a member reported in the current epoch, where the caller tracked
-    it (a member that registered again reports -1 in ``steps``); else the furthest of ``steps``.
-    ``ready``: how many members are alive and active, where the caller keeps count
-    (``model.tally``); else they are counted here. ``broken``: the members' reports of a failed
-    collective, where any came."""
-    topology = state.topology
-    if topology is not None and topology.halted:
-        return Decision(Kind.NONE, f"job halted: {topology.reason}")
-    if state.finished:
-        return Decision(Kind.NONE, f"job finished at step {state.finished_step}")
-    if topology is None:
-        # Counted before anything is sorted: a forming job of thousands is planned once per commit of
-        # its registrations and first heartbeats, and only the last of those plans forms it.
-        if ready is None:
-            ready = tally(state.members).count(MemberState.ALIVE, Role.ACTIVE)
-        if ready < settings.world_size:
-            return Decision(
-                Kind.NONE, f"forming: {ready} of {settings.world_size} hosts registered and alive"
-            )
-    up = sorted(
-        (m for m in state.members.values() if m.state is MemberState.ALIVE),
-        key=lambda m: natural_key(m.host_id),
+@dataclass(eq=False)
+class Situation:
+    """One plan's inputs, and what the rules derive from them, each worked out once, when a rule
+    first asks: a forming job of thousands is planned once per commit of its registrations, and its
+    rules must not sort every member before one of them forms it."""
+
+    now: float
+    state: ClusterState
+    seen: Observations
+    settings: PlannerSettings
+    # How many members are alive and active, where the caller keeps count (``model.tally``).
+    counted: int | None = None
+
+    @property
+    def topology(self) -> Topology:
+        """The current topology, for rules that checked there is one."""
+        assert self.state.topology is not None
+        return self.state.topology
+
+    @functools.cached_property
+    def ready(self) -> int:
+        """How many members are alive and active (counted here unless the caller kept count)."""
+        if self.counted is not None:
+            return self.counted
+        return tally(self.state.members).count(MemberState.ALIVE, Role.ACTIVE)
+
+    @functools.cached_property
+    def up(self) -> list[Member]:
+        """The alive members, in natural order of their ids."""
+        return sorted(
+            (m for m in self.state.members.values() if m.state is MemberState.ALIVE),
+            key=lambda m: natural_key(m.host_id),
+        )
+
+    @functools.cached_property
+    def current(self) -> tuple[str, ...]:
+        return self.topology.host_ids
+
+    @functools.cached_property
+    def lost(self) -> list[str]:
+        """Members of the topology that are gone. One listed here that registered again as a spare
+        (it died while the job waited, then came back) is a new process: it lost its rank, and may
+        take one again only in a new epoch."""
+        members = self.state.members
+        return [h for h in self.current if not members[h].state.is_up or members[h].role is Role.SPARE]
+
+    @functools.cached_property
+    def survivors(self) -> list[str]:
+        gone = set(self.lost)
+        return [h for h in self.current if h not in gone]
+
+    @functools.cached_property
+    def spares(self) -> list[str]:
+        """Alive hosts outside the surviving topology. Spares that were never lost first: a host lost
+        a moment ago that registered again within the burst window (its trainer crashed, its agent
+        is fine) goes back in only when no one else can."""
+        staying, gone = set(self.survivors), set(self.lost)
+        return sorted((m.host_id for m in self.up if m.host_id not in staying), key=lambda h: h in gone)
+
+    @functools.cached_property
+    def reached_step(self) -> int:
+        """How far the epoch being replaced got (its furthest member): recorded with the new topology,
+        so the event log alone says how many steps a recovery threw away (``goodput``)."""
+        steps = self.seen.steps
+        furthest = max((steps[h] for h in self.current if h in steps), default=-1)
+        return max(furthest, self.seen.reached)
+
+    @property
+    def details(self) -> dict[str, str]:
+        return {"reached_step": str(self.reached_step)}
+
+    @functools.cached_property
+    def restore(self) -> int:
+        """The step the new epoch restores. Where no survivor reported a step (every member was lost:
+        a job of one whose trainer died), the steps the lost ones completed still count: -1 would
+        tell the new members the job never completed one, and they would start from scratch past
+        every snapshot and checkpoint it kept."""
+        fallback = max(self.topology.restore_step, self.reached_step)
+        return _restore_step(self.survivors, self.seen.steps, fallback)
+
+    @functools.cached_property
+    def why_lost(self) -> str:
+        members = self.state.members
+        return "; ".join(
+            f"{h} lost, registered again since as a spare"
+            if members[h].state.is_up
+            else f"{h} {members[h].state.value} ({members[h].reason})"
+            for h in self.lost
+        )
+
+    def suspects(self, hosts: Sequence[str]) -> list[str]:
+        return [h for h in hosts if self.state.members[h].state is MemberState.SUSPECT]
+
+
+Rule = Callable[[Situation], Decision | None]
+
+
+def halted(s: Situation) -> Decision | None:
+    """The job halted: nothing more, ever."""
+    topology = s.state.topology
+    if topology is None or not topology.halted:
+        return None
+    return Decision(Kind.NONE, f"job halted: {topology.reason}")
+
+
+def finished(s: Situation) -> Decision | None:
+    """The job completed its last step: nothing more, ever."""
+    if not s.state.finished:
+        return None
+    return Decision(Kind.NONE, f"job finished at step {s.state.finished_step}")
+
+
+def state_lost(s: Situation) -> Decision | None:
+    """A member of the running epoch found no tier holding any step of the job: no member holds one
+    in memory, and no committed checkpoint is readable. Starting from step 0 would silently throw the
+    run away, and no other epoch can find more state than this one did: HALT, saying why."""
+    lost = s.seen.lost_state
+    topology = s.state.topology
+    if lost is None or topology is None or lost.epoch != topology.epoch:
+        return None
+    return Decision(
+        Kind.HALT,
+        f"halted: no tier holds any step of the job, whose survivors had completed step "
+        f"{topology.restore_step} (no host-memory snapshot, surviving replica or buddy copy, and no "
+        f"readable committed checkpoint). Restart the job from a checkpoint you trust, or from "
+        f"scratch on purpose; {lost.host_id} reported: {lost.detail}",
     )
 
-    if topology is None:
-        eligible = [m.host_id for m in up if m.role is Role.ACTIVE]
-        hosts = tuple(eligible[: settings.world_size])
-        return Decision(Kind.FORM, f"formed with {len(hosts)} hosts", hosts=hosts, restore_step=-1)
 
-    current = topology.host_ids
-    # A member listed here that registered again as a spare (it died while the job waited, then came
-    # back) is a new process: it lost its rank, and may take one again only in a new epoch.
-    lost = [h for h in current if not state.members[h].state.is_up or state.members[h].role is Role.SPARE]
-    gone = set(lost)
-    survivors = [h for h in current if h not in gone]
-    staying = set(survivors)
-    # Spares that were never lost first: a host lost a moment ago that registered again within the
-    # burst window (its trainer crashed, its agent is fine) goes back in only when no one else can.
-    spares = sorted((m.host_id for m in up if m.host_id not in staying), key=lambda h: h in gone)
-    # How far the epoch being replaced got (its furthest member): recorded with the new topology, so
-    # the event log alone says how many steps a recovery threw away (remesh.coordinator.goodput).
-    furthest = max((steps[h] for h in current if h in steps), default=-1)
-    reached_step = max(furthest, reached if reached is not None else -1)
-    details = {"reached_step": str(reached_step)}
-    # Where no survivor reported a step (every member was lost: a job of one whose trainer died), the
-    # steps the lost ones completed still count: -1 would tell the new members the job never
-    # completed one, and they would start from scratch past every snapshot and checkpoint it kept.
-    restore = _restore_step(survivors, steps, max(topology.restore_step, reached_step))
+def form(s: Situation) -> Decision | None:
+    """No topology yet: FORM the first epoch from the alive active hosts, in natural order, once
+    there are ``world_size`` of them (counted before anything is sorted); NONE until then."""
+    if s.state.topology is not None:
+        return None
+    world_size = s.settings.world_size
+    if s.ready < world_size:
+        return Decision(Kind.NONE, f"forming: {s.ready} of {world_size} hosts registered and alive")
+    eligible = [m.host_id for m in s.up if m.role is Role.ACTIVE]
+    hosts = tuple(eligible[:world_size])
+    return Decision(Kind.FORM, f"formed with {len(hosts)} hosts", hosts=hosts, restore_step=-1)
 
-    if not lost and state.address_refused_epoch == topology.epoch:
+
+def readdress(s: Situation) -> Decision | None:
+    """Nothing lost, but rank 0 found the epoch's JAX coordination port taken: READDRESS, the same
+    members in a new epoch, whose port differs. Nobody trained in the refused epoch."""
+    topology = s.state.topology
+    if topology is None or s.lost or s.state.address_refused_epoch != topology.epoch:
+        return None
+    return Decision(
+        Kind.READDRESS,
+        f"{topology.jax_coordinator_address} was taken on {s.current[0]}: same hosts, new address",
+        s.current,
+        topology.restore_step,
+        s.details,
+    )
+
+
+def reform(s: Situation) -> Decision | None:
+    """Nothing lost, but members of the running epoch said a collective of it failed. A member that
+    stopped (its host silent, its trainer hung) says nothing, and its verdict comes within the
+    detection window: until every member said so, HOLD for ``reform_after_s`` (longer while a member
+    is suspect). Then REFORM the same hosts (grown by spares where the job runs below its size), or
+    HALT where re-forming them completed no step ``max_futile_reforms`` times in a row."""
+    topology, settings = s.state.topology, s.settings
+    failures = s.seen.collective_failures
+    if topology is None or s.lost or failures is None or failures.epoch != topology.epoch:
+        return None
+    current = s.current
+    reported = len(failures.hosts)
+    waited = s.now - failures.since
+    everyone = reported >= len(current)
+    suspects = s.suspects(current)
+    if not everyone and (
+        waited < settings.reform_after_s
+        or (suspects and waited < settings.reform_after_s + settings.suspect_hold_s)
+    ):
         return Decision(
-            Kind.READDRESS,
-            f"{topology.jax_coordinator_address} was taken on {current[0]}: same hosts, new address",
-            current,
-            topology.restore_step,
-            details,
+            Kind.HOLD,
+            f"{reported} of {len(current)} members said a collective of epoch {topology.epoch} "
+            f"failed: waiting up to {settings.reform_after_s:g}s for the others or for a lost member",
         )
-    if not lost and broken is not None and broken.epoch == topology.epoch:
-        waited = now - broken.since
-        suspects = [h for h in current if state.members[h].state is MemberState.SUSPECT]
-        everyone = broken.reported >= len(current)
-        # A member that stopped (its host silent, its trainer hung) reports nothing, and its verdict
-        # comes within the detection window: until then the failure may be its doing.
-        if not everyone and (
-            waited < settings.reform_after_s
-            or (suspects and waited < settings.reform_after_s + settings.suspect_hold_s)
-        ):
-            return Decision(
-                Kind.HOLD,
-                f"{broken.reported} of {len(current)} members said a collective of epoch {topology.epoch} "
-                f"failed: waiting up to {settings.reform_after_s:g}s for the others or for a lost member",
-            )
-        if broken.futile >= settings.max_futile_reforms:
-            return Decision(
-                Kind.HALT,
-                f"halted: a collective of epoch {topology.epoch} failed, as in each of the "
-                f"{broken.futile} epochs these hosts were re-formed into before it, with no step "
-                f"completed since step {topology.restore_step}: a link among {', '.join(current)} "
-                "fails every time (check the network between them, or drain one), and forming them "
-                "again would not end it",
-            )
-        hosts = _grown(current, spares, settings)
-        why = (
-            "every member"
-            if everyone
-            else f"{broken.reported} of {len(current)} members, and none was lost in {waited:.1f}s,"
-        )
-        grew = f"; grew to {len(hosts)} hosts" if len(hosts) > len(current) else ""
+    futile = s.seen.futile_reforms
+    if futile >= settings.max_futile_reforms:
         return Decision(
-            Kind.REFORM,
-            f"{why} said a collective of epoch {topology.epoch} failed: the same hosts form a new epoch{grew}",
-            hosts,
-            restore,
-            details,
+            Kind.HALT,
+            f"halted: a collective of epoch {topology.epoch} failed, as in each of the "
+            f"{futile} epochs these hosts were re-formed into before it, with no step "
+            f"completed since step {topology.restore_step}: a link among {', '.join(current)} "
+            "fails every time (check the network between them, or drain one), and forming them "
+            "again would not end it",
         )
-    if not lost:
-        hosts = _grown(current, spares, settings)
-        if len(hosts) > len(current):
-            added = ", ".join(hosts[len(current) :])
-            return Decision(
-                Kind.GROW,
-                f"grew from {len(current)} to {len(hosts)} hosts: added {added}",
-                hosts,
-                restore,
-                details,
-            )
+    hosts = _grown(current, s.spares, settings)
+    why = (
+        "every member"
+        if everyone
+        else f"{reported} of {len(current)} members, and none was lost in {waited:.1f}s,"
+    )
+    grew = f"; grew to {len(hosts)} hosts" if len(hosts) > len(current) else ""
+    return Decision(
+        Kind.REFORM,
+        f"{why} said a collective of epoch {topology.epoch} failed: the same hosts form a new epoch{grew}",
+        hosts,
+        s.restore,
+        s.details,
+    )
+
+
+def grow(s: Situation) -> Decision | None:
+    """Nothing lost: GROW where the job runs below its size and spares are up, else NONE (healthy)."""
+    if s.state.topology is None or s.lost:
+        return None
+    current = s.current
+    hosts = _grown(current, s.spares, s.settings)
+    if len(hosts) == len(current):
         return Decision(Kind.NONE, "topology healthy")
-
-    if lost and state.waiting_since is None:
-        # Planned now, the epoch would list hosts that are probably gone too: one more recovery a
-        # moment later. Every loss of a burst is collected for a short window, and while members of
-        # the topology are suspect (their verdict is near) up to a longer bound.
-        held = now - min(state.members[h].updated_at for h in lost)
-        suspects = [h for h in survivors if state.members[h].state is MemberState.SUSPECT]
-        # The burst's newest loss or suspicion: while they keep coming, the burst is not over.
-        quiet = now - max(state.members[h].updated_at for h in (*lost, *suspects))
-        if quiet < settings.burst_window_s and held < max(settings.burst_max_s, settings.burst_window_s):
-            return Decision(
-                Kind.HOLD,
-                f"{', '.join(lost)} lost: collecting the burst until {settings.burst_window_s:g}s pass "
-                f"without another loss (at most {settings.burst_max_s:g}s)",
-            )
-        if suspects and held < settings.suspect_hold_s:
-            return Decision(
-                Kind.HOLD,
-                f"{', '.join(lost)} lost while {', '.join(suspects)} suspect: waiting up to "
-                f"{settings.suspect_hold_s:g}s to plan them together",
-            )
-
-    why_lost = "; ".join(
-        f"{h} lost, registered again since as a spare"
-        if state.members[h].state.is_up
-        else f"{h} {state.members[h].state.value} ({state.members[h].reason})"
-        for h in lost
+    added = ", ".join(hosts[len(current) :])
+    return Decision(
+        Kind.GROW,
+        f"grew from {len(current)} to {len(hosts)} hosts: added {added}",
+        hosts,
+        s.restore,
+        s.details,
     )
-    if len(spares) >= len(lost):
-        replacement = dict(zip(lost, spares, strict=False))
-        hosts = tuple(replacement.get(h, h) for h in current)
-        swaps = ", ".join(
-            f"{h} re-joins at rank {current.index(h)}"
-            if s == h
-            else f"hot spare {s} takes rank {current.index(h)} of {h}"
-            for h, s in replacement.items()
-        )
-        # A job below its size (shrunk before) with spares left over grows in the same epoch: the
-        # next plan would otherwise grow it at once, a second recovery for one event.
-        grown = _grown(hosts, [h for h in spares if h not in replacement.values()], settings)
-        if len(grown) > len(hosts):
-            swaps += f"; grew from {len(hosts)} to {len(grown)} hosts: added {', '.join(grown[len(hosts) :])}"
-        return Decision(Kind.REPLACE, f"{why_lost}: {swaps}", grown, restore, details)
 
-    pool = [*survivors, *spares]
-    size = settings.largest_valid_size(len(pool))
-    if size >= max(1, settings.min_world_size):
-        hosts = tuple(pool[:size])
+
+def hold_burst(s: Situation) -> Decision | None:
+    """Members are lost (and the job is not waiting already). Planned now, the epoch would list hosts
+    that are probably gone too: one more recovery a moment later. HOLD while losses or suspicions
+    keep coming (``burst_window_s`` apart, ``burst_max_s`` at most), and while members of the
+    topology are suspect (their verdict is near) up to ``suspect_hold_s``."""
+    if s.state.topology is None or not s.lost or s.state.waiting_since is not None:
+        return None
+    members, settings, lost = s.state.members, s.settings, s.lost
+    held = s.now - min(members[h].updated_at for h in lost)
+    suspects = s.suspects(s.survivors)
+    # The burst's newest loss or suspicion: while they keep coming, the burst is not over.
+    quiet = s.now - max(members[h].updated_at for h in (*lost, *suspects))
+    if quiet < settings.burst_window_s and held < max(settings.burst_max_s, settings.burst_window_s):
         return Decision(
-            Kind.SHRINK,
-            f"{why_lost}: {len(spares)} spare(s) for {len(lost)} lost; shrank from {len(current)} to {size} hosts",
-            hosts,
-            restore,
-            details,
+            Kind.HOLD,
+            f"{', '.join(lost)} lost: collecting the burst until {settings.burst_window_s:g}s pass "
+            f"without another loss (at most {settings.burst_max_s:g}s)",
         )
+    if suspects and held < settings.suspect_hold_s:
+        return Decision(
+            Kind.HOLD,
+            f"{', '.join(lost)} lost while {', '.join(suspects)} suspect: waiting up to "
+            f"{settings.suspect_hold_s:g}s to plan them together",
+        )
+    return None
 
-    if state.waiting_since is None:
+
+def replace_lost(s: Situation) -> Decision | None:
+    """As many spares as members lost: REPLACE, each spare at a lost member's rank (a host that came
+    back takes its own), every survivor at its own. A job below its size (shrunk before) with spares
+    left over grows in the same epoch: the next plan would otherwise grow it at once, a second
+    recovery for one event."""
+    if s.state.topology is None or not s.lost or len(s.spares) < len(s.lost):
+        return None
+    current, lost, spares = s.current, s.lost, s.spares
+    replacement = dict(zip(lost, spares, strict=False))
+    hosts = tuple(replacement.get(h, h) for h in current)
+    swaps = ", ".join(
+        f"{h} re-joins at rank {current.index(h)}"
+        if spare == h
+        else f"hot spare {spare} takes rank {current.index(h)} of {h}"
+        for h, spare in replacement.items()
+    )
+    grown = _grown(hosts, [h for h in spares if h not in replacement.values()], s.settings)
+    if len(grown) > len(hosts):
+        swaps += f"; grew from {len(hosts)} to {len(grown)} hosts: added {', '.join(grown[len(hosts) :])}"
+    return Decision(Kind.REPLACE, f"{s.why_lost}: {swaps}", grown, s.restore, s.details)
+
+
+def shrink(s: Situation) -> Decision | None:
+    """Too few spares: SHRINK to the largest valid size of survivors and spares (survivors first,
+    in their old order), where that is at least the minimum."""
+    if s.state.topology is None or not s.lost:
+        return None
+    pool = [*s.survivors, *s.spares]
+    size = s.settings.largest_valid_size(len(pool))
+    if size < max(1, s.settings.min_world_size):
+        return None
+    return Decision(
+        Kind.SHRINK,
+        f"{s.why_lost}: {len(s.spares)} spare(s) for {len(s.lost)} lost; "
+        f"shrank from {len(s.current)} to {size} hosts",
+        tuple(pool[:size]),
+        s.restore,
+        s.details,
+    )
+
+
+def wait(s: Situation) -> Decision | None:
+    """Members are lost and too few hosts are up for the minimum size: WAIT for a replacement (the
+    JOB_WAITING event marks the start), HALT once ``max_wait_s`` passed, NONE in between."""
+    if s.state.topology is None or not s.lost:
+        return None
+    settings = s.settings
+    up = len(s.survivors) + len(s.spares)
+    if s.state.waiting_since is None:
         return Decision(
             Kind.WAIT,
-            f"{why_lost}: {len(pool)} host(s) up, minimum is {settings.min_world_size}; "
+            f"{s.why_lost}: {up} host(s) up, minimum is {settings.min_world_size}; "
             f"waiting up to {settings.max_wait_s:g}s for a replacement",
         )
-    waited = now - state.waiting_since
+    waited = s.now - s.state.waiting_since
     if waited >= settings.max_wait_s:
         return Decision(
             Kind.HALT,
-            f"halted: waited {waited:.1f}s for a replacement, only {len(pool)} host(s) up, "
+            f"halted: waited {waited:.1f}s for a replacement, only {up} host(s) up, "
             f"minimum is {settings.min_world_size}",
         )
     return Decision(Kind.NONE, f"waiting for a replacement ({waited:.1f}s of {settings.max_wait_s:g}s)")
+
+
+# The rules in the order they are tried: the first that applies decides, so a rule's place is its
+# precedence. Whatever the state, one of them applies (``form`` without a topology; with one, ``grow``
+# when nothing is lost, else ``shrink`` or ``wait``).
+RULES: tuple[Rule, ...] = (
+    halted,
+    finished,
+    state_lost,
+    form,
+    readdress,
+    reform,
+    grow,
+    hold_burst,
+    replace_lost,
+    shrink,
+    wait,
+)
+
+
+def plan(
+    now: float,
+    state: ClusterState,
+    observations: Observations,
+    settings: PlannerSettings,
+    *,
+    ready: int | None = None,
+) -> Decision:
+    """What to do now, and why: the first of ``RULES`` that applies. ``ready``: how many members are
+    alive and active, where the caller keeps count (``model.tally``); else they are counted here."""
+    situation = Situation(now, state, observations, settings, ready)
+    for rule in RULES:
+        decision = rule(situation)
+        if decision is not None:
+            return decision
+    raise AssertionError("no planner rule applies: RULES must cover every state")
 
 
 def _topology(

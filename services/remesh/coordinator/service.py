@@ -1,10 +1,11 @@
 """The coordinator engine: a thin asyncio shell around the pure core.
 
 It holds what must be fast in memory (liveness from heartbeats, open agent streams, topology
-watchers), and funnels every state change through ``_commit``: observe the current state, fold the
-events of a pure transition into it, plan from the state they fold to, commit all events in one
-atomic Redis step, then publish. The gRPC layer (``servicer``) only translates requests into calls
-on this class.
+watchers, and ``observations``: what agents said that no event records, one immutable value replaced
+by the pure functions of ``remesh.coordinator.observations``), and funnels every state change through
+``_commit``: observe the current state, fold the events of a pure transition into it, plan once from
+the state they fold to and the observations, commit all events in one atomic Redis step, then
+publish. The gRPC layer (``servicer``) only translates requests into calls on this class.
 
 With several replicas exactly one leads (``remesh.coordinator.leadership``). A follower mirrors the
 stored state for reads and topology watches and answers every write with ``NotLeader`` naming the
@@ -22,9 +23,9 @@ from typing import Any, TypeVar
 
 import structlog
 
-from remesh.coordinator import goodput, membership
+from remesh.coordinator import goodput, membership, observations
 from remesh.coordinator.agent_stream import AgentStream, Command
-from remesh.coordinator.detector import Liveness, Stall, Verdict, judge, judge_stalls
+from remesh.coordinator.detector import Liveness, Verdict, judge, judge_stalls
 from remesh.coordinator.doorbell import Doorbell
 from remesh.coordinator.errors import (
     Conflict,
@@ -49,7 +50,14 @@ from remesh.coordinator.model import (
     Topology,
     tally,
 )
-from remesh.coordinator.planner import Broken, Decision, Kind, plan, plan_events
+from remesh.coordinator.observations import (
+    CollectiveFailureReport,
+    Observations,
+    Report,
+    StallReport,
+    TierMissingReport,
+)
+from remesh.coordinator.planner import Kind, plan, plan_events
 from remesh.coordinator.settings import Settings
 from remesh.coordinator.store import RedisStore
 from remesh.v1.contract import recovery_id
@@ -146,7 +154,9 @@ class Coordinator:
         self.state = ClusterState()
         self._rev = 0
         self._liveness = LivenessTable(settings.detector)
-        self._steps: dict[str, int] = {}
+        # What the planner and the detector read beside the state: replaced, never changed in place.
+        self.observations = Observations()
+        # Steps heard since the last progress write (``_flush_progress``).
         self._dirty_steps: dict[str, int] = {}
         # One progress write at a time, landing in the order taken: a periodic flush of an older step
         # still on its way must not land after the flush of a member's last step (finish).
@@ -154,22 +164,6 @@ class Coordinator:
         # Members whose Finish call is on its way: the step it names is final, and a beat still
         # carrying an older step (it raced the call) must not overwrite it.
         self._finishing: set[str] = set()
-        # Trainers their agents reported blocked in a step, and hosts whose trainer their agent saw
-        # idle (no CPU time) in its last heartbeat: observations, like liveness.
-        self._stalls: dict[str, Stall] = {}
-        self._idle: set[str] = set()
-        # Members whose trainer said a collective of an epoch failed: epoch -> host -> when it first
-        # said so (in the order they did). Kept for the planner (``Broken``) until a new topology;
-        # every survivor of every failure says so, so each look at it costs O(1), not O(fleet).
-        self._broken: dict[int, dict[str, float]] = {}
-        # The re-forms in a row whose epochs completed no step, and the restore step of the last one.
-        self._futile_reforms = 0
-        self._reformed_at_step: int | None = None
-        # The tiers each member incarnation's trainer said cannot keep its snapshots, as recorded
-        # (TIER_MISSING, ``membership.tier_missing``): host -> (incarnation, tiers). What bounds those
-        # events to one per member incarnation and tier. In memory like the stalls: the agent says it
-        # once, so a new leader hears it again only from a new incarnation.
-        self._tiers_noted: dict[str, tuple[int, frozenset[str]]] = {}
         # Every open heartbeat stream of each host, oldest first: an agent that reconnects has two for
         # a moment, and a second stream (a reconnect, or anyone with the incarnation) ending says
         # nothing about the host while another one still carries its heartbeats.
@@ -177,7 +171,7 @@ class Coordinator:
         # Whether the last plan was held or is waiting: the detector plans again each tick until not.
         # True at start: what was stored may be mid-burst.
         self._replan = True
-        # Set by a transition whose observations (not events) may change the plan: plan this change.
+        # Set by a change whose observations (not events) may change the plan: plan this change.
         self._plan_now = False
         # The state the planner last found nothing to do for (None: not planned yet). A commit of
         # only acknowledgements on it needs no plan: they change nothing a plan reads, and at 2000
@@ -192,11 +186,6 @@ class Coordinator:
         # The events goodput is computed from (and the log's first), kept as they are published; None
         # until this replica, leading, read them from the log (remesh.coordinator.goodput).
         self._goodput_log: goodput.Log | None = None
-        # The furthest step a member that acknowledged the current epoch reported in it: what the next
-        # topology records as how far this epoch got. A member's own entry in ``_steps`` falls back to
-        # -1 when it registers again (every member does, in a whole-job restart). Not kept across a
-        # change of leader (the planner then takes the furthest of ``_steps``).
-        self._epoch_reached = -1
         self._goodput_at = 0.0
         self._queue_writer: asyncio.Task[None] | None = None
         # Rung when the topology may have changed: every topology watcher wakes at once (heartbeat
@@ -235,7 +224,8 @@ class Coordinator:
     async def start(self, advertise: str = "") -> None:
         self.leadership.advertise = self.leadership.advertise or advertise
         self.state, self._rev = await self.store.load()
-        self._steps = await self.store.read_progress()
+        steps = await self.store.read_progress()
+        self.observations = observations.loaded(self.observations, steps)
         self._grant_all(self._clock())
         self._update_gauges()
         log.info(
@@ -282,15 +272,17 @@ class Coordinator:
             self.store.fencing_token = token
             try:
                 self.state, self._rev = await self.store.load()
-                self._steps = await self.store.read_progress()
+                steps = await self.store.read_progress()
             except StoreUnavailable:
                 with contextlib.suppress(StoreUnavailable):
                     await self.store.release_lease(token)
                 raise
+            # The current epoch's furthest step is not known here: the planner takes the furthest of
+            # the stored steps.
+            self.observations = observations.loaded(self.observations, steps)
             self._grant_all(self._clock())
             self._dirty_steps = {}
             self._goodput_log = None  # read again from the log: another replica led meanwhile
-            self._epoch_reached = -1
             self.leadership.led(token)
         self._update_gauges()
         log.info(
@@ -318,7 +310,8 @@ class Coordinator:
         """A follower's view of the stored state, for reads and topology watches."""
         epoch = self.state.epoch
         self.state, self._rev = await self.store.load()
-        self._steps = await self.store.read_progress()
+        steps = await self.store.read_progress()
+        self.observations = observations.loaded(self.observations, steps)
         self._update_gauges()
         if self.state.epoch != epoch:
             self._topology_may_have_changed()
@@ -345,10 +338,12 @@ class Coordinator:
         return stored
 
     async def _commit(self, change: _Change[T]) -> tuple[list[Event], T]:
-        """Run ``change`` on a fold of the current state, plan from the state it folded to, and
-        commit its events and the plan's in one atomic step: every event is folded once, here, and
-        the store writes the state folded. Returns the events committed and what the change
-        returned beside them (from its last run: a conflict runs it again)."""
+        """Run ``change`` on a fold of the current state, plan once from the state it folded to and the
+        observations (as the change left them: a change that observes something replaces them here,
+        under the lock, before the plan), and commit its events and the plan's in one atomic step:
+        every event is folded once, here, and the store writes the state folded. Returns the events
+        committed and what the change returned beside them (from its last run: a conflict runs it
+        again)."""
         if not self.leading:
             raise self.not_leader()
         async with self._lock:
@@ -370,15 +365,7 @@ class Coordinator:
                 ):
                     after = fold.state
                     ready = self._ready(after, events)
-                    decision = plan(
-                        now,
-                        after,
-                        self._steps,
-                        self.settings.planner,
-                        self._epoch_reached,
-                        ready,
-                        self._broken_in(after),
-                    )
+                    decision = plan(now, after, self.observations, self.settings.planner, ready=ready)
                     # Held (a burst being collected) or waiting for a replacement: the clock alone
                     # will change the plan, so the detector asks again on every tick until it does.
                     self._replan = decision.kind in (Kind.HOLD, Kind.WAIT) or after.waiting_since is not None
@@ -420,8 +407,8 @@ class Coordinator:
             self.metrics.events.labels(type=event.type.value).inc()
             if self._goodput_log is not None:
                 self._goodput_log.add(event)
-            if event.type in (EventType.TOPOLOGY_CHANGED, EventType.JOB_HALTED):
-                self._epoch_reached = -1  # the new epoch's own steps from now on
+            # Applied to the observations as they are now: heartbeats went on during the commit.
+            self.observations = observations.recorded(self.observations, event)
             topology = self.state.topology
             if event.type is EventType.EPOCH_LIVE and topology is not None and topology.epoch == event.epoch:
                 self.metrics.epoch_live.observe(max(0.0, event.time - topology.created_at))
@@ -436,33 +423,24 @@ class Coordinator:
                 reason=event.reason,
                 **_recovery_of(self.settings.job_id, event),
             )
-            if event.type is EventType.TIER_MISSING:
-                noted = self._noted_tiers(event.host_id, event.incarnation) | {event.details["tier"]}
-                self._tiers_noted[event.host_id] = (event.incarnation, noted)
             if event.type is EventType.MEMBER_FORGOTTEN:
                 self._liveness.pop(event.host_id)
-                for table in (self._steps, self._dirty_steps, self._stalls, self._tiers_noted):
-                    table.pop(event.host_id, None)
-                self._idle.discard(event.host_id)
+                self._dirty_steps.pop(event.host_id, None)
                 self._finishing.discard(event.host_id)
             member = event.member
             if member is not None and member.state is MemberState.JOINING:
                 self._liveness.set(member.host_id, Liveness(member.incarnation, last_seen=now))
             if member is not None and member.state in (MemberState.DEAD, MemberState.LEFT):
                 self._liveness.pop(member.host_id)
-                self._idle.discard(member.host_id)
                 self._send(member.host_id, member.incarnation, Command.REREGISTER, member.reason)
             if member is not None and member.state is MemberState.DRAINING:
                 self._send(member.host_id, member.incarnation, Command.DRAIN, member.reason)
             if event.type in (EventType.TOPOLOGY_CHANGED, EventType.JOB_HALTED):
                 self.metrics.epochs_published.inc()
-                self._count_reforms(event)
             if event.type is EventType.JOB_FINISHED:
                 for stream in self._every_stream():
                     stream.command(Command.FINISHED, event.reason)
         if any(e.type in (EventType.TOPOLOGY_CHANGED, EventType.JOB_HALTED) for e in events):
-            self._stalls = {}
-            self._broken = {e: said for e, said in self._broken.items() if e >= self.state.epoch}
             self._topology_may_have_changed()
         self._update_gauges()
 
@@ -485,30 +463,10 @@ class Coordinator:
             self._tally = tally(base.members)
         return tally(state.members, self._tally, events)
 
-    def _count_reforms(self, event: Event) -> None:
-        """Count a new epoch's re-form in a row with the one before, unless a step was completed
-        between them (its restore step moved on); any other new epoch ends the row."""
-        topology = event.topology
-        if event.details.get("decision") != Kind.REFORM.value or topology is None:
-            self._futile_reforms, self._reformed_at_step = 0, None
-            return
-        last = self._reformed_at_step
-        self._futile_reforms = (
-            self._futile_reforms + 1 if last is not None and topology.restore_step <= last else 0
-        )
-        self._reformed_at_step = topology.restore_step
-
     def _plan_again(self, state: ClusterState, now: float) -> list[Event]:
         """No change but the clock's: plan it."""
         self._plan_now = True
         return []
-
-    def _broken_in(self, state: ClusterState) -> Broken | None:
-        """The reports of a failed collective in ``state``'s current epoch, from its members."""
-        said = self._broken.get(state.epoch)
-        if not said:
-            return None
-        return Broken(state.epoch, next(iter(said.values())), len(said), self._futile_reforms)
 
     def _ready(self, state: ClusterState, events: Sequence[Event]) -> int | None:
         """The alive active members of ``state`` for the planner, from the kept tally (``_tally_of``);
@@ -571,9 +529,15 @@ class Coordinator:
         judged = {v.host_id for v in silent}
         for host_id in due:
             self._liveness.reschedule(host_id, now, judged=host_id in judged)
-        failed = self._broken.get(self.state.epoch, {})
+        seen = self.observations
         verdicts = silent + judge_stalls(
-            now, self.state, self._stalls, self._steps, self.settings.detector, self._idle, failed
+            now,
+            self.state,
+            seen.stalls,
+            seen.steps,
+            self.settings.detector,
+            seen.idle,
+            seen.failed_in(self.state.epoch),
         )
         if verdicts:
             # Every verdict of this tick in one commit, planned together: hosts lost together (a rack,
@@ -587,18 +551,8 @@ class Coordinator:
             return
         # The planner's clock-driven decisions (a hold for suspects running out, waiting -> halted)
         # need a nudge without an event; only while one is pending (a plan sorts every member).
-        if not self._replan:
-            return
-        decision = plan(
-            now,
-            self.state,
-            self._steps,
-            self.settings.planner,
-            self._epoch_reached,
-            self._ready(self.state, ()),
-            self._broken_in(self.state),
-        )
-        if decision.kind not in (Kind.NONE, Kind.HOLD):
+        # Planned once, in the write path: a decision to act is committed as it was made.
+        if self._replan:
             await self._change(self._plan_again)
 
     async def _progress_loop(self) -> None:
@@ -637,9 +591,9 @@ class Coordinator:
     def _furthest_step(self) -> int | None:
         """The furthest step a member of the current epoch reported: what the next topology will record
         as ``reached_step`` (the planner takes the same two figures)."""
-        topology = self.state.topology
-        steps = [self._steps.get(h, -1) for h in (topology.host_ids if topology else ())]
-        furthest = max([self._epoch_reached, *steps])
+        topology, seen = self.state.topology, self.observations
+        steps = [seen.steps.get(h, -1) for h in (topology.host_ids if topology else ())]
+        furthest = max([seen.reached, *steps])
         return furthest if furthest >= 0 else None
 
     async def _keep_bounded(self) -> None:
@@ -699,32 +653,22 @@ class Coordinator:
         """Hot path: in memory unless the member changes state (joining or suspect -> alive)."""
         if not self.leading:
             raise self.not_leader()
-        if trainer_idle:
-            self._idle.add(host_id)
-        else:
-            self._idle.discard(host_id)
         now = self._clock()
         self.metrics.heartbeats.inc()
         events = membership.heartbeat(now, self.state, host_id, incarnation, self._max_id)
         self._liveness.heard(host_id, incarnation, now)
-        topology = self.state.topology
-        if (
-            topology is not None
-            and step > self._epoch_reached
-            and self.state.acks.get(host_id) == topology.epoch
-        ):
-            self._epoch_reached = step
-        if (
-            self._steps.get(host_id, -1) != step
-            and not self.state.finished
-            and host_id not in self._finishing
-        ):
-            # Once the job finished its steps are final (an exiting agent's last beats change nothing).
-            # -1 comes from an agent whose trainer has reported nothing yet: a host that came back
-            # (a new incarnation). Its old step is forgotten, else the next restore step (the oldest
-            # step of the members) would send the job back to where that host left it.
-            self._steps[host_id] = step
-            self._dirty_steps[host_id] = step
+        before = self.observations
+        self.observations = observations.heard(
+            before,
+            self.state,
+            host_id,
+            incarnation,
+            step,
+            trainer_idle,
+            now,
+            finishing=host_id in self._finishing,
+        )
+        self._note_step(before, host_id)
         if events:
             await self._batched(
                 lambda s, t: (membership.heartbeat(t, s, host_id, incarnation, self._max_id), None)
@@ -776,40 +720,84 @@ class Coordinator:
         exit_code: int,
         detail: str,
     ) -> membership.FaultOutcome:
-        stall = self._stalls.get(host_id)
-        blocked_since = (
-            stall.at
-            if stall is not None and stall.epoch == epoch and self._steps.get(host_id, -1) <= stall.step
-            else None
-        )
-        if blocked_since is None:
-            # Its collective had failed and it waited for the next epoch: an exit now is collateral.
-            blocked_since = self._broken.get(epoch, {}).get(host_id)
+        """A member's trainer or host failed: charged to the host, or collateral damage (a trainer
+        that waited for its peers when it exited is collateral of whatever stopped them)."""
+        blocked_since = self.observations.blocked_since(host_id, epoch)
 
         def transition(s: ClusterState, now: float) -> tuple[list[Event], membership.FaultOutcome]:
             result = membership.report_fault(
                 now, s, host_id, incarnation, kind, epoch, exit_code, detail, self._max_id, blocked_since
             )
-            said = self._broken.setdefault(epoch, {}) if result.broken else {}
-            if result.broken and host_id not in said:
-                said[host_id] = now
-                self.metrics.collective_failures.inc()
-                log.warning("collective failed", host=host_id, epoch=epoch, detail=detail)
-                # No event: the planner weighs the reports. Planned again when they start its window
-                # and when the last member's completes them (a plan reads the whole fleet; the
-                # detector's ticks plan meanwhile, while the plan holds).
-                assert s.topology is not None  # a report of the running epoch (result.broken)
-                if len(said) == 1 or len(said) >= len(s.topology.host_ids):
-                    self._plan_now = True
-            if result.halt is None:
-                return result.events, result
-            halt = plan_events(
-                now, s, Decision(Kind.HALT, result.halt), self.settings.planner, self.settings.job_id
-            )
-            return result.events + halt, result
+            if kind is membership.FaultKind.STATE_LOST:
+                # Noted before this commit's plan, which halts the job with it (planner.state_lost).
+                self.observations = observations.state_lost(
+                    self.observations, s, host_id, incarnation, epoch, detail
+                )
+            return result.events, result
 
         _, outcome = await self._commit(_folded(transition))
         return outcome
+
+    async def report_observation(self, host_id: str, incarnation: int, epoch: int, report: Report) -> str:
+        """What a member's trainer observed in ``epoch`` (``observations.Report``): evidence to weigh,
+        never a fault of its host by itself. Returns what the coordinator made of it."""
+        if isinstance(report, StallReport):
+            return self._stalled(host_id, incarnation, epoch, report)
+        if isinstance(report, CollectiveFailureReport):
+            return await self._collective_failed(host_id, incarnation, epoch, report)
+        return await self._tier_missing(host_id, incarnation, epoch, report)
+
+    def _stalled(self, host_id: str, incarnation: int, epoch: int, report: StallReport) -> str:
+        """A member's trainer is blocked in a step: noted for the detector (``judge_stalls``), which
+        decides whether a peer it waits for stopped. Nothing is committed."""
+        if not self.leading:
+            raise self.not_leader()
+        before = self.observations
+        self.observations, reason = observations.stalled(
+            before, self.state, host_id, incarnation, epoch, report, self._clock(), self._max_id
+        )
+        if self.observations is not before:
+            log.info("trainer blocked", host=host_id, epoch=epoch, step=report.step)
+        return reason
+
+    async def _collective_failed(
+        self, host_id: str, incarnation: int, epoch: int, report: CollectiveFailureReport
+    ) -> str:
+        """A member's trainer said a collective of ``epoch`` failed. No event: the planner weighs the
+        reports. Planned at once when they start its window and when the last member's completes
+        them (a plan reads the whole fleet; the detector's ticks plan meanwhile, while it holds)."""
+
+        def transition(s: ClusterState, now: float) -> tuple[list[Event], str]:
+            before = self.observations
+            self.observations, reason = observations.collective_failed(
+                before, s, host_id, incarnation, epoch, report, now, self._max_id
+            )
+            failures = self.observations.collective_failures
+            if self.observations is not before and failures is not None:
+                self.metrics.collective_failures.inc()
+                log.warning("collective failed", host=host_id, epoch=epoch, detail=report.detail)
+                assert s.topology is not None  # noted for the running epoch only
+                if len(failures.hosts) == 1 or len(failures.hosts) >= len(s.topology.host_ids):
+                    self._plan_now = True
+            return [], reason
+
+        _, reason = await self._commit(_folded(transition))
+        return reason
+
+    async def _tier_missing(
+        self, host_id: str, incarnation: int, epoch: int, report: TierMissingReport
+    ) -> str:
+        """A member's trainer says a tier cannot keep its snapshots: recorded once per member
+        incarnation and tier (``membership.tier_missing``), never acted on."""
+
+        def transition(s: ClusterState, now: float) -> tuple[list[Event], str]:
+            noted = self.observations.tiers_noted_for(host_id, incarnation)
+            return membership.tier_missing(
+                now, s, host_id, incarnation, epoch, report.tier, report.detail, noted, self._max_id
+            )
+
+        _, reason = await self._commit(_folded(transition))
+        return reason
 
     async def ack_epoch(
         self,
@@ -922,9 +910,9 @@ class Coordinator:
         membership.current_member(self.state, host_id, incarnation, self._max_id)
         if not self.state.finished and epoch == self.state.epoch:
             self._finishing.add(host_id)
-            if step > self._steps.get(host_id, -1):
-                self._steps[host_id] = step
-                self._dirty_steps[host_id] = step
+            before = self.observations
+            self.observations = observations.final_step(before, self.state, host_id, incarnation, epoch, step)
+            self._note_step(before, host_id)
         try:
             if not self.state.finished:
                 try:
@@ -942,45 +930,14 @@ class Coordinator:
             # member goes on and its beats count again); a retry of a failed call says it again.
             self._finishing.discard(host_id)
 
-    def report_stall(self, host_id: str, incarnation: int, epoch: int, step: int) -> str:
-        """A member's trainer is blocked in the step after ``step`` of ``epoch``: noted in memory for
-        the detector (``judge_stalls``), which decides whether a peer it waits for stopped."""
-        if not self.leading:
-            raise self.not_leader()
-        membership.current_member(self.state, host_id, incarnation, self._max_id)
-        if epoch != self.state.epoch:
-            return f"stall in epoch {epoch} ignored: epoch {self.state.epoch} is current"
-        if (
-            host_id not in self._stalls
-            or self._stalls[host_id].epoch != epoch
-            or self._stalls[host_id].step != step
-        ):
-            self._stalls[host_id] = Stall(epoch, step, self._clock())
-            log.info("trainer blocked", host=host_id, epoch=epoch, step=step)
-        return f"{host_id} blocked in epoch {epoch} after step {step}: noted"
-
-    async def report_tier_missing(
-        self, host_id: str, incarnation: int, epoch: int, tier: str, detail: str
-    ) -> str:
-        """A member's trainer says ``tier`` cannot keep its snapshots: recorded once per member
-        incarnation and tier (``membership.tier_missing``), never acted on. Returns the reason."""
-
-        def transition(s: ClusterState, now: float) -> tuple[list[Event], str]:
-            noted = self._noted_tiers(host_id, incarnation)
-            return membership.tier_missing(
-                now, s, host_id, incarnation, epoch, tier, detail, noted, self._max_id
-            )
-
-        _, reason = await self._commit(_folded(transition))
-        return reason
-
-    def _noted_tiers(self, host_id: str, incarnation: int) -> frozenset[str]:
-        """The tiers recorded missing for this member incarnation (``_tiers_noted``)."""
-        noted = self._tiers_noted.get(host_id)
-        return noted[1] if noted is not None and noted[0] == incarnation else frozenset()
+    def _note_step(self, before: Observations, host_id: str) -> None:
+        """A step of ``host_id`` that changed since ``before`` is written with the next progress flush."""
+        steps = self.observations.steps
+        if steps is not before.steps and steps.get(host_id, -1) != before.steps.get(host_id, -1):
+            self._dirty_steps[host_id] = steps.get(host_id, -1)
 
     def member_step(self, host_id: str) -> int:
-        return self._steps.get(host_id, -1)
+        return self.observations.steps.get(host_id, -1)
 
     def _topology_may_have_changed(self) -> None:
         self._topology_changed.ring()

@@ -53,9 +53,7 @@ _FAULT = {
     pb.FAULT_KIND_TRAINER_HUNG: FaultKind.TRAINER_HUNG,
     pb.FAULT_KIND_HOST: FaultKind.HOST,
     pb.FAULT_KIND_ADDRESS_IN_USE: FaultKind.ADDRESS_IN_USE,
-    pb.FAULT_KIND_STALLED: FaultKind.STALLED,
     pb.FAULT_KIND_STATE_LOST: FaultKind.STATE_LOST,
-    pb.FAULT_KIND_COLLECTIVE_FAILED: FaultKind.COLLECTIVE_FAILED,
 }
 
 
@@ -411,23 +409,19 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def ReportFault(
         self, request: pb.ReportFaultRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReportFaultResponse:
-        if request.kind == pb.FAULT_KIND_TIER_MISSING:
-            # Not a fault: a trainer's observation riding this call until trainer observations have
-            # an RPC of their own. Recorded for operators, never weighed against the host.
-            noted = self._c.report_tier_missing(
-                request.host_id, request.incarnation, request.epoch, request.tier, request.detail
+        legacy = convert.legacy_report_from_pb(request)
+        if legacy is not None:
+            # An agent of remesh 0.1.0 sends what its trainer observed as a fault report: until
+            # remesh 0.3.0 it is handled as Observe would handle it, and blames nobody.
+            reason = await answer(
+                context,
+                self._c.report_observation(request.host_id, request.incarnation, request.epoch, legacy),
             )
-            return pb.ReportFaultResponse(member_dead=False, reason=await answer(context, noted))
+            return pb.ReportFaultResponse(member_dead=False, reason=reason)
         kind = _FAULT.get(request.kind)
         if kind is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown fault kind {request.kind}")
             raise AssertionError("unreachable")
-        if kind is FaultKind.STALLED:
-
-            async def stall() -> str:
-                return self._c.report_stall(request.host_id, request.incarnation, request.epoch, request.step)
-
-            return pb.ReportFaultResponse(member_dead=False, reason=await answer(context, stall()))
         outcome = await answer(
             context,
             self._c.report_fault(
@@ -435,6 +429,19 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             ),
         )
         return pb.ReportFaultResponse(member_dead=outcome.member_dead, reason=outcome.reason)
+
+    async def Observe(
+        self, request: pb.ObserveRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ObserveResponse:
+        try:
+            report = convert.report_from_pb(request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise AssertionError("unreachable") from exc
+        reason = await answer(
+            context, self._c.report_observation(request.host_id, request.incarnation, request.epoch, report)
+        )
+        return pb.ObserveResponse(reason=reason)
 
     async def CommitCheckpoint(
         self, request: pb.CommitCheckpointRequest, context: grpc.aio.ServicerContext

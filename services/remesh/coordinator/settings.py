@@ -1,7 +1,10 @@
 """The coordinator's settings: one immutable object, with named presets.
 
 Environment variables and flags are read only by the command line (``remesh coordinator``), which
-builds one of these; nothing below it reads the environment.
+builds one of these; nothing below it reads the environment. Each settings object checks its own
+invariants when it is made (``__post_init__``, for ``replace`` too), and raises ``InvalidSettings``
+saying which fields contradict each other: settings built in code get the same checks as the
+command line, which turns the error into its usage error.
 """
 
 from __future__ import annotations
@@ -9,7 +12,22 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass, field, replace
 
-__all__ = ["DetectorSettings", "HaSettings", "PlannerSettings", "Settings"]
+__all__ = ["DetectorSettings", "HaSettings", "InvalidSettings", "PlannerSettings", "Settings"]
+
+
+class InvalidSettings(ValueError):
+    """Settings that contradict themselves or make no sense: ``title`` says what in a few words,
+    the message how, and ``fields`` which fields (the command line names the flags that set them)."""
+
+    def __init__(self, title: str, message: str, *fields: str) -> None:
+        super().__init__(message)
+        self.title = title
+        self.fields = fields
+
+
+def _require(holds: bool, title: str, message: str, *fields: str) -> None:
+    if not holds:
+        raise InvalidSettings(title, message, *fields)
 
 
 @dataclass(frozen=True)
@@ -36,6 +54,39 @@ class DetectorSettings:
     # same step is not lagging but stopped.
     stall_verdict_s: float = 1.0
 
+    def __post_init__(self) -> None:
+        title = "invalid heartbeat timings"
+        _require(
+            self.heartbeat_interval_s > 0,
+            title,
+            f"heartbeat_interval_s is {self.heartbeat_interval_s}: agents beat at a positive interval",
+            "heartbeat_interval_s",
+        )
+        _require(
+            0 < self.suspect_after_s <= self.heartbeat_timeout_s,
+            title,
+            f"suspect_after_s ({self.suspect_after_s}) must be positive and at most heartbeat_timeout_s "
+            f"({self.heartbeat_timeout_s}): a silent member is suspected before it is declared dead",
+            "suspect_after_s",
+            "heartbeat_timeout_s",
+        )
+        _require(
+            self.heartbeat_timeout_s > self.heartbeat_interval_s,
+            title,
+            f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must exceed heartbeat_interval_s "
+            f"({self.heartbeat_interval_s}), or every host is declared dead between two of its heartbeats",
+            "heartbeat_timeout_s",
+            "heartbeat_interval_s",
+        )
+        _require(
+            min(self.stream_grace_s, self.failover_grace_s, self.stall_verdict_s) >= 0,
+            title,
+            "stream_grace_s, failover_grace_s and stall_verdict_s are durations: none may be negative",
+            "stream_grace_s",
+            "failover_grace_s",
+            "stall_verdict_s",
+        )
+
     @property
     def tick_s(self) -> float:
         """How often the detector looks: at most every 25 ms, whatever the heartbeat interval. A look
@@ -48,6 +99,14 @@ class DetectorSettings:
         heartbeats in all: the interval grows with the fleet, and suspicion and the timeout keep
         their ratio to it (silent hosts are found later; crashed ones, by their broken streams, as
         fast as ever). Never shorter than these."""
+        _require(
+            beats_per_second > 0 and hosts >= 0,
+            "invalid heartbeat budget",
+            f"a fleet of {hosts} hosts and a budget of {beats_per_second} heartbeats a second: the "
+            "budget must be positive and the fleet at least 0",
+            "beats_per_second",
+            "hosts",
+        )
         interval = hosts / beats_per_second
         if interval <= self.heartbeat_interval_s:
             return self
@@ -105,6 +164,56 @@ class PlannerSettings:
     # same hosts again forever; each takes seconds (3.6 s measured on CPU).
     max_futile_reforms: int = 5
 
+    def __post_init__(self) -> None:
+        _require(
+            self.world_size >= 1 and self.min_world_size <= self.world_size,
+            "invalid sizes",
+            f"world_size ({self.world_size}) must be at least 1 and at least min_world_size "
+            f"({self.min_world_size})",
+            "world_size",
+            "min_world_size",
+        )
+        _require(
+            self.world_size_must_divide >= 0,
+            "invalid sizes",
+            f"world_size_must_divide is {self.world_size_must_divide}: 0 (none), or the number every "
+            "world size must divide",
+            "world_size_must_divide",
+        )
+        base, span = self.jax_port_base, self.jax_port_span
+        _require(
+            span >= 1 and 1024 <= base <= 65536 - span,
+            "invalid JAX port range",
+            f"the range [jax_port_base, jax_port_base + jax_port_span) = [{base}, {base + span}) must "
+            "hold a port and lie within 1024-65535",
+            "jax_port_base",
+            "jax_port_span",
+        )
+        waits = ("max_wait_s", "suspect_hold_s", "burst_window_s", "burst_max_s", "reform_after_s")
+        _require(
+            min(getattr(self, name) for name in waits) >= 0 and self.max_futile_reforms >= 0,
+            "invalid planner timings",
+            f"{', '.join(waits)} are durations and max_futile_reforms a count: none may be negative",
+            *waits,
+            "max_futile_reforms",
+        )
+
+    def covering(self, detector: DetectorSettings) -> PlannerSettings:
+        """These settings with their holds stretched over ``detector``'s verdicts, never shortened: a
+        suspect's verdict comes within the silence between suspect and dead, so losses are held that
+        long (plus a margin) to be planned together; and re-forming after a failed collective waits
+        out the verdicts on a stopped member (a silent host, a hung trainer), or the epoch would be
+        formed again around a member about to be declared dead."""
+        return replace(
+            self,
+            suspect_hold_s=max(
+                self.suspect_hold_s, detector.heartbeat_timeout_s - detector.suspect_after_s + 0.2
+            ),
+            reform_after_s=max(
+                self.reform_after_s, max(detector.heartbeat_timeout_s, detector.stall_verdict_s) + 0.4
+            ),
+        )
+
     def jax_port(self, job_id: str, epoch: int) -> int:
         return self.jax_port_base + (zlib.crc32(job_id.encode()) + epoch) % self.jax_port_span
 
@@ -135,6 +244,15 @@ class HaSettings:
     # The leader sends an empty message on every idle heartbeat stream this often, so an agent
     # notices a leader that stopped answering (SIGSTOP, partition) and looks for the new one.
     keepalive_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        _require(
+            self.lease_ttl_s > 0 and self.keepalive_s > 0,
+            "invalid lease",
+            f"lease_ttl_s ({self.lease_ttl_s}) and keepalive_s ({self.keepalive_s}) must be positive",
+            "lease_ttl_s",
+            "keepalive_s",
+        )
 
     @property
     def renew_every_s(self) -> float:
@@ -170,6 +288,23 @@ class Settings:
     detector: DetectorSettings = field(default_factory=DetectorSettings)
     planner: PlannerSettings = field(default_factory=PlannerSettings)
     ha: HaSettings = field(default_factory=HaSettings)
+
+    def __post_init__(self) -> None:
+        _require(
+            self.max_members >= 1 and self.max_events >= 10 and self.member_retention_s >= 0,
+            "invalid limits",
+            f"max_members ({self.max_members}) must be at least 1, max_events ({self.max_events}) at "
+            f"least 10 and member_retention_s ({self.member_retention_s}) at least 0",
+            "max_members",
+            "max_events",
+            "member_retention_s",
+        )
+        _require(
+            self.max_id_length >= 1,
+            "invalid limits",
+            f"max_id_length is {self.max_id_length}: a host id has at least one character",
+            "max_id_length",
+        )
 
     @property
     def stream_keepalive_s(self) -> float:
