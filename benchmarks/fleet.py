@@ -509,7 +509,7 @@ class Fleet:
     # How long a simulated trainer takes to re-mesh before it acknowledges an epoch (0: at once).
     ack_delay_s: float = 0.0
     # "stream": acknowledgements on the heartbeat stream where the coordinator offers it, as agents
-    # send them; "unary": an AckEpoch call each, as agents did before.
+    # send them; "unary": an AckEpoch call each, as agents send them where it is not offered.
     acks: str = "stream"
     # Relays (``remesh relay`` addresses): simulator i's agents follow relays[i % len(relays)].
     relays: Sequence[str] = ()

@@ -150,7 +150,7 @@ def test_dtype_names_read_back_as_the_same_dtype_and_bytes_are_viewed_in_place()
     with pytest.raises(ValueError, match="'float9_e9'"):
         dtype_of("float9_e9")
     with pytest.raises(ValueError, match="not an array of values"):
-        dtype_of("<V2")  # what bfloat16 used to be written as: untyped bytes, not bfloat16
+        dtype_of("<V2")  # bfloat16 as numpy's dtype.str names it: untyped bytes, not bfloat16
     with pytest.raises(ValueError, match="not an array of values"):
         dtype_of("object")
     with pytest.raises(ValueError, match="byte order"):

@@ -282,7 +282,8 @@ def test_register_of_a_replaced_dead_host_comes_back_as_a_spare() -> None:
 
 
 def test_dead_member_that_returns_while_the_job_waits_gets_a_new_epoch() -> None:
-    """Regression: it used to count as a survivor again, at the old epoch, with a spare's record."""
+    """A member declared dead while the job waits that registers again is a new process: it takes a
+    rank in a new epoch, and never counts as a survivor of the old one with a spare's record."""
     settings = PlannerSettings(world_size=2, min_world_size=2, max_wait_s=30.0, burst_window_s=0)
     state = job(("a0", "a1"), epoch=1, spares=())
 

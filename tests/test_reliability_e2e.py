@@ -357,8 +357,8 @@ def test_a_collective_that_fails_between_healthy_hosts_reforms_the_same_hosts_in
     stall) until it times out. host-1 says its collective failed, then so do they, nobody is lost,
     and the same hosts form epoch 2 within seconds: no host declared dead (host-1 idles waiting, but
     said why, so the stall reports do not blame it), the spare left a spare, the steps restored from
-    host memory, and the job ends cleanly. Before, this took the
-    trainers' 30 s wait for an epoch that never came, then restarts into the old one."""
+    host memory, and the job ends cleanly. Without the re-form every member would wait out its 30 s
+    for an epoch nobody plans, then restart into the old one."""
     command = tinylm(60, "--step-sleep", "0.05")
     cluster.start_coordinator("--world-size", "3")
     for i in range(3):

@@ -65,7 +65,7 @@ LOG = [
 ]
 STATE = replay(LOG)
 
-# The four keys as the store wrote STATE before this codec (and must go on writing it).
+# The four keys as stores already hold STATE: what this codec must read, and go on writing.
 _MEMBER_JSON = (
     '{{"address": "{h}.local", "device_count": 4, "host_id": "{h}", "incarnation": 1, "rank": -1, '
     '"reason": "up", "role": "active", "state": "alive", "updated_at": 1.5}}'

@@ -3,7 +3,7 @@
 A hypothesis state machine plays an agent fleet and a detector against one job: registers (active
 or spare), heartbeats, detector verdicts, leaves, drains, trainer faults, epoch acks and clock ticks,
 with stale, future and malformed inputs mixed in. Each input goes through the same path as
-``Coordinator._change``: transition, replay, plan, ``plan_events``, one ``commit``. After every step
+``Coordinator._commit``: transition, replay, plan, ``plan_events``, one ``commit``. After every step
 the invariants of ARCHITECTURE.md are checked against what Redis holds:
 
 - replaying the stored event log gives exactly the stored state (and the writer's in-memory state);
@@ -70,7 +70,7 @@ DETECTOR = DetectorSettings(
 
 
 class CoordinatorMachine(RuleBasedStateMachine):
-    """One job: a writer that mirrors ``Coordinator._change``, and checks of what Redis holds."""
+    """One job: a writer that mirrors ``Coordinator._commit``, and checks of what Redis holds."""
 
     url: ClassVar[str] = ""
 
@@ -105,7 +105,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         m = self.state.members.get(host)
         return (m.incarnation if m else 1) + delta
 
-    # ---- the write path, as in Coordinator._change ------------------------------------------------
+    # ---- the write path, as in Coordinator._commit ------------------------------------------------
 
     def change(self, dt: float, transition: Transition) -> None:
         self.now += dt

@@ -1,7 +1,7 @@
 """Members' liveness as the leader observes it, with the next moment each one needs looking at. Pure.
 
-The detector used to look at every member on every tick (every 25 ms): at 10,000 members that is
-400,000 looks a second to find, most of the time, nobody. The table keeps, beside each member's
+A detector that looked at every member on every tick (every 25 ms) would make, at 10,000 members,
+400,000 looks a second to find, most of the time, nobody. So the table keeps, beside each member's
 ``Liveness``, a heap of deadlines: the moment its silence would make it suspect or dead, its broken
 stream's grace ends, or a grant runs out. ``due(now)`` hands the detector only the members whose
 deadline passed; the detector judges them (``detector.judge`` with ``hosts``) and ``reschedule``

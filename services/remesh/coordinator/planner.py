@@ -517,8 +517,8 @@ def plan_events(
         final_type = EventType.TOPOLOGY_CHANGED
 
     events: list[Event] = []
-    # Each member's rank from one table: ``hosts.index`` per member was a walk of the new epoch's
-    # hosts for each (0.23 s of a 5000-member epoch's publication, quadratic in the fleet).
+    # Each member's rank from one table: ``hosts.index`` per member would walk the new epoch's hosts
+    # for each (0.23 s of a 5000-member epoch's publication, measured; quadratic in the fleet).
     ranks = {host_id: rank for rank, host_id in enumerate(hosts)}
     for member in sorted(state.members.values(), key=lambda m: natural_key(m.host_id)):
         rank = ranks.get(member.host_id, -1)

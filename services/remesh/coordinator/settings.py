@@ -233,7 +233,7 @@ class PlannerSettings:
 @dataclass(frozen=True)
 class HaSettings:
     # Several replicas share one Redis and elect a leader through a lease; off: this coordinator is
-    # the only one and writes unfenced (as a single replica always did).
+    # the only one and writes unfenced (no other writer exists to fence out).
     enabled: bool = False
     # Where agents reach this replica (host:port), stored next to the lease so followers can name
     # the leader. Empty: the address it listens on.
@@ -309,8 +309,9 @@ class Settings:
     @property
     def stream_keepalive_s(self) -> float:
         """How often an idle heartbeat stream gets a keepalive: ``ha.keepalive_s``, or the heartbeat
-        interval once a large fleet stretched it longer. Keepalives at a fixed 0.5 s were four
-        messages a second per stream, four times the heartbeats themselves at 2000 hosts."""
+        interval once a large fleet stretched it longer. Keepalives at a fixed 0.5 s would be two
+        messages a second on every stream: at 2000 hosts (heartbeats every 2 s), four times the
+        heartbeats themselves."""
         return max(self.ha.keepalive_s, self.detector.heartbeat_interval_s)
 
     @classmethod
