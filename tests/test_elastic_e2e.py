@@ -593,7 +593,7 @@ def test_a_checkpoint_newer_than_every_snapshot_is_restored_and_a_damaged_one_fa
                 line
                 for agent in cluster.agents.values()
                 for line in agent.output().splitlines()
-                if "exiting for the agent to restart us" in line and "checkpoint" in line
+                if "in-process recovery impossible" in line and "why=checkpoint-gone" in line
             ]
             assert not restarts, restarts
         said = [

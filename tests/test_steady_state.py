@@ -36,10 +36,10 @@ SLOW_WRITER = textwrap.dedent(
     events = []
     put = Snapshots.put
 
-    def slow_put(self, step, layout, pieces):
+    def slow_put(self, step, layout, pieces, data=None):
         events.append(["write-begin", step])
         time.sleep(float(sys.argv[3]))
-        put(self, step, layout, pieces)
+        put(self, step, layout, pieces, data)
         events.append(["write-end", step])
 
     Snapshots.put = slow_put  # every snapshot store of this process writes slowly (one host: no buddy)

@@ -17,6 +17,7 @@ import pytest
 
 from remesh.elastic import Policy
 from remesh.elastic.agent_client import lost_a_member
+from remesh.elastic.exits import Why
 from remesh.elastic.session import wait_after
 from remesh.elastic.watchdog import Verdict, Watchdog
 
@@ -62,20 +63,26 @@ class Stuck:
 
     def __init__(self) -> None:
         self.restarts: queue.Queue[tuple[float, str]] = queue.Queue()
+        self.whys: list[Why] = []
 
-    def __call__(self, reason: str) -> None:
+    def __call__(self, why: Why, reason: str) -> None:
+        self.whys.append(why)
         self.restarts.put((time.monotonic(), reason))
 
 
-def watchdog_of(policy: Policy, agent: Any, stuck: Any = None, clock: Any = time.monotonic) -> Watchdog:
-    """A watchdog as the session makes it from ``policy``: step 7 is the last one completed."""
+def watchdog_of(
+    policy: Policy, agent: Any, stuck: Any = None, clock: Any = time.monotonic, platform: str = "tpu"
+) -> Watchdog:
+    """A watchdog as the session makes it from ``policy`` on ``platform`` (an accelerator unless
+    said: collectives that never end by themselves): step 7 is the last one completed."""
     return Watchdog(
         agent,
         stall_after_s=policy.stall_report_after_s,
-        step_grace_s=policy.stuck_step_exit_s,
+        step_grace_s=policy.step_exit_after_s(platform),
         join_grace_s=policy.stuck_join_exit_s,
         steps_done=lambda: 7,
         on_stuck=stuck or Stuck(),
+        collectives_end=platform == "cpu",
         clock=clock,
     )
 
@@ -153,6 +160,7 @@ def test_a_step_blocked_when_the_new_epoch_leaves_out_a_member_ends_at_once() ->
     at, reason = loop.restarts.get(timeout=grace / 2)
     assert at - announced < grace
     assert "left out a member" in reason and "step of epoch 1" in reason
+    assert loop.stuck.whys == [Why.COLLECTIVE_CANNOT_END]
 
     grown = watched(Policy(stall_report_s=10.0, stuck_step_exit_s=0.4), hosts)
     grown.watchdog.blocking(1, "step")
@@ -304,3 +312,28 @@ def test_the_thread_acts_on_the_verdict_and_stops_once_it_ended_the_process() ->
     waits = loop.agent.waits
     time.sleep(0.3)
     assert loop.agent.waits == waits and loop.restarts.empty()
+
+
+def test_judge_gives_a_step_its_grace_where_collectives_end_by_themselves() -> None:
+    """On CPU a collective waiting for a dead peer fails after the collective timeout: a step of an
+    epoch that lost a member gets its grace (by default that timeout and a second), to fail and
+    recover in the same process; only past it does the process end, naming the step stuck."""
+    clock = Clock()
+    policy = Policy(stall_report_s=9.0, collective_timeout_s=2.0, stuck_join_exit_s=2.0)
+    assert policy.step_exit_after_s("cpu") == 3.0 and policy.step_exit_after_s("tpu") == 0.2
+    dog = watchdog_of(policy, Agent(), clock=clock, platform="cpu")
+    dog.blocking(1, "step")
+    announced = clock.now + 0.5
+    assert dog.judge(announced + 2.9, 2, announced, True).exit is None
+    verdict = dog.judge(announced + 3.0, 2, announced, True)
+    assert (
+        verdict.why is Why.STEP_STUCK and verdict.exit is not None and "waits for a dead peer" in verdict.exit
+    )
+    # Each kind of blocking work that outlives its grace names itself.
+    for what, why in (
+        ("joining", Why.JOIN_STUCK),
+        ("leaving", Why.LEAVE_STUCK),
+        ("finishing", Why.FINISH_STUCK),
+    ):
+        dog.blocking(1, what, since=announced)
+        assert dog.judge(announced + 10.0, 2, announced, False).why is why

@@ -25,7 +25,8 @@ import grain
 import numpy as np
 
 __all__ = [
-    "CORPUS_PATH", "VOCAB_SIZE", "generate_corpus", "global_batch", "host_slice", "load_corpus", "records",
+    "CORPUS_PATH", "VOCAB_SIZE", "elastic_iterator", "generate_corpus", "global_batch", "host_iterator",
+    "host_slice", "load_corpus", "records", "windows",
 ]  # fmt: skip
 
 CORPUS_PATH = Path(__file__).with_name("corpus.txt")
@@ -54,6 +55,45 @@ def records(seq_len: int, seed: int) -> grain.MapDataset:
         raise ValueError(f"seq_len {seq_len} does not fit in a corpus of {corpus.size} bytes")
     offsets = grain.MapDataset.range(corpus.size - seq_len).shuffle(seed=seed)
     return offsets.map(lambda offset: corpus[offset : offset + seq_len + 1].astype(np.int32))
+
+
+@functools.cache
+def windows(seq_len: int, seed: int) -> grain.MapDataset:
+    """The records of ``records`` in the same order, each with its offset in the corpus (which window
+    it is): ``{"offset": int64, "tokens": int32 of seq_len + 1}``."""
+    corpus = load_corpus()
+    records(seq_len, seed)  # the same checks
+    offsets = grain.MapDataset.range(corpus.size - seq_len).shuffle(seed=seed)
+    return offsets.map(
+        lambda offset: {
+            "offset": np.int64(offset),
+            "tokens": corpus[offset : offset + seq_len + 1].astype(np.int32),
+        }
+    )
+
+
+def host_iterator(
+    seq_len: int, seed: int, batch_size: int, rank: int, world_size: int
+) -> grain.DatasetIterator:
+    """Host ``rank`` of ``world_size``'s own shard of ``windows``, read forward as a Grain
+    ``DatasetIterator``: windows ``rank``, ``rank + world_size``, ... batched by
+    ``batch_size // world_size`` rows, so that global batch ``s`` is windows ``s * batch_size`` to
+    ``(s + 1) * batch_size - 1`` between the hosts. Its position (``get_state``) is the index of the
+    next window in its own shard: it restores this host's iterator, and means nothing to a host
+    reading another shard (``remesh.elastic.IteratorData`` refuses a shrink with it)."""
+    shard = windows(seq_len, seed)[rank::world_size]
+    return iter(shard.to_iter_dataset().batch(batch_size // world_size))
+
+
+def elastic_iterator(
+    seq_len: int, seed: int, batch_size: int, rank: int, world_size: int
+) -> grain.DatasetIterator:
+    """The same windows through Grain's ``ElasticIterator``: host ``rank`` takes the windows of global
+    batch ``s`` at ``rank``, ``rank + world_size``, ... Its position is the global index of the next
+    batch, the same on every host and good for any number of them
+    (``IteratorData(..., shared_state=True)``)."""
+    shards = grain.sharding.ShardOptions(shard_index=rank, shard_count=world_size)
+    return iter(grain.experimental.ElasticIterator(windows(seq_len, seed), batch_size, shards))
 
 
 def global_batch(

@@ -11,6 +11,13 @@ the same Grain records (``epoch.data``, from the restored step on) and feeds the
 ``epoch.batch``, the step is jitted with ``epoch.jit`` (``jax.jit`` whose first call waits, once
 compiled, for every member: no host enters the step's first collective while another still
 compiles), and ``epoch.done(state, metrics)`` takes each new state back.
+
+``--input`` picks how each host reads its rows: ``records`` (the default), the rows of each step's
+global batch by index (``GrainData``: the position is the step, good for any number of hosts);
+``iterator``, its own shard through a Grain ``DatasetIterator`` whose position remesh keeps with
+every snapshot and checkpoint (``IteratorData``: a spare takes the position of the host it replaces;
+a shrink is refused); ``elastic``, Grain's ``ElasticIterator``, whose position holds for any number
+of hosts (``IteratorData(..., shared_state=True)``).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import time
 import numpy as np
 
 from examples.tinylm import data, model
-from remesh.elastic import Faults, GrainData, Layout, Policy, Session, fsdp_partition
+from remesh.elastic import Faults, GrainData, IteratorData, Layout, Policy, Session, fsdp_partition
 from remesh.elastic.cadence import parse_every
 
 
@@ -46,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--save-final", help="rank 0 writes the final state's leaves here (.npz)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="pause after each step (paces tests)")
+    p.add_argument("--input", choices=("records", "iterator", "elastic"), default="records")
+    p.add_argument("--input-log", help="every process appends the windows each step read here (jsonl)")
     args = p.parse_args(argv)
 
     config = model.Config(
@@ -59,8 +68,17 @@ def main(argv: list[str] | None = None) -> int:
         # Tests make this host slow on purpose (REMESH_FAULT_*); none by default.
         faults=Faults.from_env(),
     )
-    source = GrainData(data.records(args.seq_len, args.seed), args.batch)
+    source: GrainData | IteratorData
+    if args.input == "records":
+        source = GrainData(data.records(args.seq_len, args.seed), args.batch)
+    else:
+        # make_iterator(rank, world_size): this host's iterator of an epoch, from the start of the data.
+        make = data.host_iterator if args.input == "iterator" else data.elastic_iterator
+        source = IteratorData(
+            functools.partial(make, args.seq_len, args.seed, args.batch), shared_state=args.input == "elastic"
+        )
     out = open(args.metrics, "a", buffering=1) if args.metrics else None  # noqa: SIM115
+    read = open(args.input_log, "a", buffering=1) if args.input_log else None  # noqa: SIM115
     for epoch in session.epochs(args.steps):
         with epoch:
             step_fn = epoch.jit(  # jax.jit, whose first call meets every member once compiled
@@ -70,9 +88,22 @@ def main(argv: list[str] | None = None) -> int:
             )
             state = epoch.state
             batches = epoch.data(source)  # this host's rows of each step's batch, from epoch.step on
-            for _ in epoch.steps():
-                state, metrics = step_fn(state, epoch.batch(next(batches)))
+            for step in epoch.steps():
+                rows = next(batches)
+                if isinstance(rows, dict):  # windows with their offsets (--input iterator, elastic)
+                    if read is not None:
+                        line = {
+                            "epoch": epoch.epoch,
+                            "rank": epoch.rank,
+                            "step": step,
+                            "offsets": rows["offset"],
+                        }
+                        read.write(json.dumps(line, default=lambda a: a.tolist()) + "\n")
+                    rows = rows["tokens"]
+                state, metrics = step_fn(state, epoch.batch(rows))
                 done = epoch.done(state, metrics)
+                if args.step_sleep:
+                    time.sleep(args.step_sleep)
                 if done is not None and out is not None and epoch.rank == 0:
                     out.write(
                         json.dumps({"t": round(time.time(), 4), "step": done.step, **done.metrics}) + "\n"

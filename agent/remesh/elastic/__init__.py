@@ -18,13 +18,16 @@ or, keeping your own loop (``Session.epochs``; ``train_step`` and ``batch_for_st
                 epoch.done(state, metrics)
 
 Run the script under ``remesh agent``; the session takes its place in every epoch the coordinator
-publishes. Pieces: ``session`` (the loop over epochs) and ``epoch`` (what happens between two
+publishes. Run alone (``python train.py``) it is a job of one host (``solo``). Input addressed by
+step (``GrainData``, ``StepData``) or from iterators that keep their own position (``IteratorData``:
+Grain's ``DatasetIterator``), whose positions remesh keeps with the state. Pieces: ``session`` (the loop over epochs) and ``epoch`` (what happens between two
 steps), ``policy`` (how it recovers), ``restore_plan`` (the restore order, a pure choice) and
 ``restore`` (carrying it out), ``schedule`` (when snapshots and buddy copies are due), ``snapshotting``
 and ``buddy_copies`` (taking them), ``checkpointing`` (saving beside training), ``watchdog``,
 ``faults`` (faults injected on purpose, as a value), ``runtime`` (the JAX distributed runtime of one
 epoch), ``snapshots`` (the host-memory tiers), ``checkpoints`` (the local and GCS tiers),
-``agent_client`` (the agent's local API). It never imports the coordinator or the agent.
+``agent_client`` (the agent's local API), ``solo`` (no agent), ``exits`` (why a process leaves for a
+fresh one). It never imports the coordinator or the agent.
 
 Words: a **tier** is a place that keeps copies of the state (the snapshot tiers "memory", "host-shm"
 and "buddy"; the checkpoint tiers "local" and "gcs"); a **source** is where a restore's bytes came
@@ -48,7 +51,7 @@ from remesh.elastic.checkpoints import (
     NoViableCheckpoint,
     StaleEpoch,
 )
-from remesh.elastic.data import GrainData, HostBatches, StepData
+from remesh.elastic.data import GrainData, HostBatches, IteratorData, StepData
 from remesh.elastic.epoch import Epoch
 from remesh.elastic.errors import (
     AddressInUse,
@@ -83,6 +86,7 @@ __all__ = [
     "GcsCheckpoints",
     "GrainData",
     "HostBatches",
+    "IteratorData",
     "Layout",
     "LocalCheckpoints",
     "NoViableCheckpoint",

@@ -20,6 +20,7 @@ import structlog
 
 from remesh.elastic.agent_client import AgentLink, Assignment
 from remesh.elastic.checkpoints import Approve, CheckpointError, StaleEpoch, Trusted
+from remesh.elastic.data import Gather
 from remesh.elastic.errors import AgentUnreachable, EpochSuperseded
 from remesh.elastic.exchange import Pieces, beside_training
 from remesh.elastic.host_copies import copies_of
@@ -27,7 +28,11 @@ from remesh.elastic.runtime import Runtime
 from remesh.elastic.sharding import first_replicas
 from remesh.elastic.template import StateTemplate
 
-__all__ = ["CheckpointSaver", "CheckpointStore"]
+__all__ = ["INPUT_KEY", "CheckpointSaver", "CheckpointStore"]
+
+# The key of a checkpoint's ``extra`` under which every host's input position after its step is
+# committed (``DataPosition.to_dict``), where the input keeps its own position (``IteratorData``).
+INPUT_KEY = "input"
 
 log = structlog.get_logger("remesh.elastic")
 
@@ -52,6 +57,8 @@ class CheckpointStore(Protocol):
     def restore_state(self, step: int, template: PyTree, trusted: Trusted = None) -> PyTree: ...
 
     def fence(self, epoch: int) -> None: ...
+
+    def extra_of(self, step: int, trusted: Trusted = None) -> dict[str, Any]: ...
 
     # A sharded state: every process writes its own shards (tiers with ``sharded_saves``).
     sharded_saves: bool
@@ -104,11 +111,18 @@ class CheckpointSaver:
         """A save on its way is waited for; the thread ends."""
         self._pool.shutdown(wait=True)
 
-    def maybe_save(self, step: int, assignment: Assignment, leaves: list[jax.Array]) -> None:
+    def due(self, step: int) -> bool:
+        """Whether a checkpoint of ``step`` is due."""
+        return bool(self.every and self.stores and not step % self.every)
+
+    def maybe_save(
+        self, step: int, assignment: Assignment, leaves: list[jax.Array], position: Gather | None = None
+    ) -> None:
         """Save ``step`` where it is due (every ``every`` steps), in the background: every process
-        writes its own shards of a sharded state, rank 0 a replicated one. One save at a time."""
-        every = self.every
-        if not every or step % every or not self.stores:
+        writes its own shards of a sharded state, rank 0 a replicated one. One save at a time.
+        ``position``: gathers every host's input position after the step (``InputPositions``), which
+        rank 0 commits with it."""
+        if not self.due(step):
             return
         sharded = any(not x.sharding.is_fully_replicated for x in leaves)
         if not sharded and assignment.rank != 0:
@@ -121,15 +135,35 @@ class CheckpointSaver:
                 return
         if sharded:
             tree = self.template.tree(leaves)
-            self._saving = self._pool.submit(self._save_sharded, step, assignment, tree)
+            self._saving = self._pool.submit(self._save_sharded, step, assignment, tree, position)
         else:
-            self._saving = self._pool.submit(self._save_all, step, assignment.epoch, leaves)
+            self._saving = self._pool.submit(self._save_all, step, assignment.epoch, leaves, position)
 
-    def _save_sharded(self, step: int, assignment: Assignment, tree: PyTree) -> None:
+    def _extra(self, step: int, epoch: int, position: Gather | None) -> dict[str, Any]:
+        """What rank 0 commits with ``step``: the step, and every host's input position after it
+        where one is kept (gathered first, while the members' posts are fresh)."""
+        extra: dict[str, Any] = {"step": step}
+        # Gathered until every member posted, or the epoch moved on (a member died meanwhile).
+        found = position(lambda: self.agent.latest.epoch != epoch) if position is not None else None
+        if found is not None:
+            if found.whole:
+                extra[INPUT_KEY] = found.to_dict()
+            else:
+                log.warning("checkpoint committed without the hosts' input positions", step=step, epoch=epoch)
+        return extra
+
+    def _save_sharded(
+        self,
+        step: int,
+        assignment: Assignment,
+        tree: PyTree,
+        position: Gather | None = None,
+    ) -> None:
         """Every process writes its own shards (Orbax), rank 0 commits; tiers that can take a
         sharded state only (a directory every host reaches)."""
         t = time.monotonic()
         try:
+            extra = self._extra(step, assignment.epoch, position) if assignment.rank == 0 else {"step": step}
             # The loop is already steps ahead: Orbax must find these arrays computed, or what it
             # does with them queues on the devices among the next steps' collectives, in an order
             # that differs between processes (the step's gloo collectives then time out).
@@ -167,7 +201,7 @@ class CheckpointSaver:
                 self.stats["checkpoint_bytes"] += nbytes
                 if assignment.rank == 0:
                     try:
-                        store.commit_global(step, assignment.epoch, {"step": step}, approve=self._approve)
+                        store.commit_global(step, assignment.epoch, extra, approve=self._approve)
                     except StaleEpoch as exc:
                         log.warning("checkpoint not committed: its epoch is over", step=step, error=str(exc))
         except Exception as exc:  # a failed save loses nothing committed; training goes on
@@ -215,10 +249,11 @@ class CheckpointSaver:
                     "could not raise the checkpoint fence", store=store.name, epoch=epoch, error=str(exc)
                 )
 
-    def _save_all(self, step: int, epoch: int, leaves: list[jax.Array]) -> None:
+    def _save_all(self, step: int, epoch: int, leaves: list[jax.Array], position: Gather | None) -> None:
         """Rank 0 saves the replicated state: copied to the host here, in the background."""
         t = time.monotonic()
         try:
+            extra = self._extra(step, epoch, position)
             try:
                 # Copies that outlive the device buffers (the loop is steps ahead), made once: on an
                 # accelerator np.asarray is one already, on CPU it is a view (``host_copies``).
@@ -227,11 +262,11 @@ class CheckpointSaver:
             except Exception as exc:  # the step failed (a peer died): nothing to save
                 log.info("checkpoint not taken: its step failed", step=step, error=str(exc).splitlines()[0])
                 return
-            self._save_each(step, epoch, self.template.tree(host))
+            self._save_each(step, epoch, self.template.tree(host), extra)
         finally:
             self.stats["checkpoint_save_s"] += time.monotonic() - t
 
-    def _save_each(self, step: int, epoch: int, tree: PyTree) -> None:
+    def _save_each(self, step: int, epoch: int, tree: PyTree, extra: Mapping[str, Any]) -> None:
         for store in self.stores:
             if self.agent.latest.epoch != epoch:
                 log.warning(
@@ -239,7 +274,7 @@ class CheckpointSaver:
                 )
                 return
             try:
-                store.save(step, epoch, tree, {"step": step}, approve=self._approve)
+                store.save(step, epoch, tree, extra, approve=self._approve)
                 self.stats["checkpoints"] += 1
                 self.stats["checkpoint_bytes"] += sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(tree))
             except StaleEpoch as exc:

@@ -9,6 +9,7 @@ step before is waited for and reported.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -25,9 +26,11 @@ from jax.sharding import PartitionSpec as P
 from remesh.elastic.agent_client import AgentLink, Assignment
 from remesh.elastic.buddy_copies import BuddyCopies
 from remesh.elastic.checkpointing import CheckpointSaver
-from remesh.elastic.data import HostBatches, StepData
-from remesh.elastic.errors import ElasticError, PeerFailure, TopologyChanged
+from remesh.elastic.data import DataPosition, HostBatches, IteratorBatches, IteratorData, NotCarried, StepData
+from remesh.elastic.errors import ElasticError, PeerFailure, StateLost, TopologyChanged
+from remesh.elastic.exits import Why
 from remesh.elastic.faults import FailOnce
+from remesh.elastic.input_positions import InputPositions
 from remesh.elastic.policy import Policy
 from remesh.elastic.progress import Progress, StepResult
 from remesh.elastic.runtime import Runtime, as_peer_failure, peer_failures
@@ -59,6 +62,8 @@ class EpochParts:
     snapshotter: Snapshotter
     buddies: BuddyCopies
     saver: CheckpointSaver
+    # Every host's input position at the steps whose state is kept (``IteratorData``).
+    positions: InputPositions
     # Injected faults (``Faults``): a collective that fails once, a slower compile.
     collective_fault: FailOnce
     compile_delay_s: float
@@ -114,10 +119,15 @@ class Epoch:
     ``with epoch:`` ends the epoch there and ``Session.epochs`` comes round with the next one.
 
     What the loop must keep to: the step is a function of the state and a batch only, and the batch
-    is a function of the step (the data position is the step), so a replayed step computes what it
-    computed before; the state keeps its tree structure, shapes and dtypes; it is not donated to the
-    next step (its snapshot is copied after that step is dispatched); every host feeds ``batch``
-    the same number of rows, a multiple of its devices.
+    is a function of the step (the data position is the step: ``StepData``) or comes from an
+    iterator whose position remesh keeps (``IteratorData``, through ``data``), so a replayed step
+    computes what it computed before; the state keeps its tree structure, shapes and dtypes; it is
+    not donated to the next step (its snapshot is copied after that step is dispatched); every host
+    feeds ``batch`` the same number of rows, a multiple of its devices.
+
+    Steps are counted as steps done: ``step`` (and ``StepResult.step``, a checkpoint's step) is how
+    many steps the state has taken; ``steps()`` yields, for each step it runs, the steps done before
+    it (0 for the first step of a job), so ``epoch.step`` is one more once ``done`` took it back.
     """
 
     def __init__(
@@ -134,6 +144,7 @@ class Epoch:
         restored_bytes: Mapping[str, int],
         phases: dict[str, float],
         compiled: Callable[[PyTree, PyTree], tuple[PyTree, Any]] | None = None,
+        restored_data: DataPosition | None = None,
     ) -> None:
         self._parts = parts
         self.assignment = assignment
@@ -165,7 +176,9 @@ class Epoch:
         # it could start). Waited for once the next one is dispatched, so the devices never idle.
         self._pending: tuple[int, Mapping[str, jax.Array], jax.Array, float] | None = None
         # The input this epoch reads (``data``), kept in step with the steps handed back.
-        self._batches: HostBatches | None = None
+        self._batches: HostBatches | IteratorBatches | None = None
+        # Every host's input position after the restored step, where one was kept with it.
+        self._restored_data = restored_data
         # Functions made by ``jit`` so far: each one's meeting has its own name.
         self._jitted = 0
 
@@ -211,12 +224,20 @@ class Epoch:
 
         return jax.tree.map(whole, rows)
 
-    def data(self, source: StepData) -> HostBatches:
-        """This host's rows of every global batch of ``source`` from the restored step on (read ahead
-        in the background for a ``GrainData``): ``next()`` once per step. The data position is the
-        step, so the input resumes exactly where the restored state left it, on any number of hosts."""
+    def data(self, source: StepData | IteratorData) -> HostBatches | IteratorBatches:
+        """This host's batches from the restored step on: ``next()`` once per step.
+
+        From a ``StepData`` (a ``GrainData``: read ahead in the background), this host's rows of
+        every global batch: the data position is the step, so the input resumes exactly where the
+        restored state left it, on any number of hosts. From an ``IteratorData``, this host's
+        iterator with the position it had after the restored step (``remesh.elastic.data`` says
+        which on another number of hosts; where none can be had, the epoch ends with ``StateLost``
+        and the job halts with the reason); remesh keeps its position with every snapshot and
+        checkpoint from here on."""
         if self._batches is not None:
             self._batches.close()
+        if isinstance(source, IteratorData):
+            return self._iterator(source)
         rows = self.host_rows(source.global_batch_size)
         self._batches = HostBatches.of(source, self.step, self.num_steps, rows)
         log.info(
@@ -227,6 +248,23 @@ class Epoch:
             world_size=self.world_size,
         )
         return self._batches
+
+    def _iterator(self, source: IteratorData) -> IteratorBatches:
+        try:
+            batches, how = source.open(
+                self.rank, self.world_size, self.step, self.num_steps, self._restored_data
+            )
+        except NotCarried as exc:
+            raise StateLost(self.epoch, self.step, str(exc), Why.DATA_POSITION_LOST) from exc
+        self._batches = batches
+        log.info(
+            "input resumes from its iterator's position",
+            step=self.step,
+            position=how,
+            rank=self.rank,
+            world_size=self.world_size,
+        )
+        return batches
 
     def jit(self, fun: Callable[..., Any], /, **jit_kwargs: Any) -> Callable[..., Any]:
         """``jax.jit(fun, **jit_kwargs)`` for this epoch, with one difference: its first call compiles
@@ -332,15 +370,26 @@ class Epoch:
             p.progress.ack(self.assignment, step - 1, self.restored_from, self._phases, self._restored_bytes)
             self._acked = True
         # What keeps the state beside training: a snapshot where one is due (and the last step's),
-        # a buddy copy of it where this is a buddy step, a checkpoint where one is due.
-        if p.snapshotter.due(step, self._proposals) or step == self.num_steps:
+        # a buddy copy of it where this is a buddy step, a checkpoint where one is due; each with
+        # every host's input position after the step, where the input keeps its own.
+        snapshot = p.snapshotter.due(step, self._proposals) or step == self.num_steps
+        position = None
+        if isinstance(self._batches, IteratorBatches) and (snapshot or p.saver.due(step)):
+            p.positions.post(step, self._batches.state())
+            position = functools.partial(p.positions.gather, step)
+        if snapshot:
             p.snapshotter.take(
-                step, self.epoch, leaves, wait=step == self.num_steps, alone=self.world_size == 1
+                step,
+                self.epoch,
+                leaves,
+                wait=step == self.num_steps,
+                alone=self.world_size == 1,
+                position=position,
             )
             if p.buddies.active and p.schedule.buddy_step(step):
                 p.buddies.copy_later(step, self.assignment)
         p.snapshotter.within_device_budget(step, self.epoch)
-        p.saver.maybe_save(step, self.assignment, leaves)
+        p.saver.maybe_save(step, self.assignment, leaves, position)
         result = p.progress.completed(self.assignment, *self._pending) if self._pending is not None else None
         self._pending = (step, metrics, leaves[0], max(dispatched, p.progress.done_at))
         return result

@@ -16,18 +16,24 @@
     │   ├── NotProcessZero       only process 0 commits
     │   └── NoViableCheckpoint   no committed step could be read back (all missing or corrupt)
     ├── StateLost              the job completed steps, but no member holds one in memory and no
-    │                          committed checkpoint is readable: exit with STATE_LOST_EXIT_CODE; the agent reports it and the
-    │                          coordinator halts the job with the reason (never a silent step 0)
+    │                          committed checkpoint is readable (or the input position of the step
+    │                          cannot be carried over): exit with STATE_LOST_EXIT_CODE; the agent
+    │                          reports it and the coordinator halts the job with the reason (never
+    │                          a silent step 0)
     └── RestartProcess         in-process recovery is impossible: exit with RESTART_EXIT_CODE so the
         │                      agent starts a fresh process on the current topology
         └── AddressInUse         rank 0 found the epoch's JAX coordination port taken by another
                                  process: exit with ADDRESS_IN_USE_EXIT_CODE; the agent reports it
                                  and the coordinator moves the same members to a new address
 
-JAX runtime errors are translated into these in one place, ``remesh.elastic.runtime``.
+The three that end the process carry ``why`` (``remesh.elastic.exits.Why``): the reason's code for
+the log and the exit note. JAX runtime errors are translated into these in one place,
+``remesh.elastic.runtime``.
 """
 
 from __future__ import annotations
+
+from remesh.elastic.exits import Why
 
 __all__ = [
     "AddressInUse",
@@ -75,21 +81,25 @@ class AgentUnreachable(ElasticError):
 
 
 class RestartProcess(ElasticError):
-    pass
+    def __init__(self, reason: str, why: Why) -> None:
+        super().__init__(reason)
+        self.why = why
 
 
 class StateLost(ElasticError):
-    def __init__(self, epoch: int, step: int, reason: str) -> None:
+    def __init__(self, epoch: int, step: int, reason: str, why: Why = Why.STATE_LOST) -> None:
         super().__init__(f"epoch {epoch} found its survivors at step {step}, but {reason}")
         self.epoch = epoch
         self.step = step
+        self.why = why
 
 
 class AddressInUse(RestartProcess):
     def __init__(self, address: str, epoch: int) -> None:
         super().__init__(
             f"the JAX coordination address {address} of epoch {epoch} is taken by another process on "
-            "this host; the coordinator will move the job to another port"
+            "this host; the coordinator will move the job to another port",
+            Why.ADDRESS_IN_USE,
         )
         self.address = address
         self.epoch = epoch

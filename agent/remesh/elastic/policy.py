@@ -17,6 +17,13 @@ from remesh.v1.contract import COMPILATION_CACHE_ENV
 
 __all__ = ["Policy"]
 
+# A step whose collective waits for a dead peer on CPU fails within the collective timeout; this
+# much more lets its error reach the loop, which then recovers in place.
+_AFTER_THE_COLLECTIVE_S = 1.0
+# On an accelerator a step stuck in a collective never ends: this short a grace lets a step that
+# was about to end anyway finish.
+_ACCELERATOR_STEP_GRACE_S = 0.2
+
 
 @dataclass(frozen=True)
 class Policy:
@@ -73,12 +80,15 @@ class Policy:
     # is blocked like this and one is not, that one stopped taking part and is replaced, before the
     # collective times out. None: half the collective timeout (a healthy step here takes tens of ms).
     stall_report_s: float | None = None
-    # A step still running this long after a new epoch was announced is stuck in a collective with a
-    # dead peer (it would wait for the collective timeout, then often abort inside gloo): the process
-    # exits for the agent's warm standby process to take over at once. A new epoch that leaves out a
-    # member of the step's epoch ends it at once: the step waits for a process that is gone. None:
-    # always wait it out.
-    stuck_step_exit_s: float | None = 0.2
+    # A step still running this long after a new epoch was announced is stuck (in a collective with
+    # a dead peer, or in the loop's own code): the process exits for the agent's warm standby process
+    # to take over, with the reason named (remesh.elastic.exits). "auto" (the default) keeps the
+    # process where it can recover in place: on CPU a collective with a dead peer fails by itself
+    # within collective_timeout_s (at once when the peer's process died), so a step gets that and a
+    # second more, fails, and the process re-meshes in place, keeping its snapshots in memory and its
+    # compiled programs' cache; on GPU and TPU a collective never gives up, so 0.2 s, and a new epoch
+    # that leaves out a member of the step's epoch ends it at once. None: always wait it out.
+    stuck_step_exit_s: float | Literal["auto"] | None = "auto"
     # Joining an epoch (runtime, restore, compile, the barrier) still blocked this long after a newer
     # epoch was announced: a member of the joined epoch died or never came (the coordination service
     # would wait init_timeout_s for it). The process exits for the warm standby to join the new one.
@@ -121,6 +131,14 @@ class Policy:
         """Own snapshots kept: ``snapshots_kept``, and with buddy copies on, as far back as a buddy
         copy can lag (``SnapshotSchedule.own_snapshots_kept``)."""
         return SnapshotSchedule.of(self).own_snapshots_kept(self.snapshots_kept)
+
+    def step_exit_after_s(self, platform: str) -> float | None:
+        """``stuck_step_exit_s`` on ``platform`` ("cpu", "gpu", "tpu"), "auto" resolved."""
+        if self.stuck_step_exit_s != "auto":
+            return self.stuck_step_exit_s
+        if platform == "cpu":
+            return self.collective_timeout_s + _AFTER_THE_COLLECTIVE_S
+        return _ACCELERATOR_STEP_GRACE_S
 
     @property
     def stall_report_after_s(self) -> float:

@@ -18,6 +18,7 @@ import structlog
 
 from remesh.elastic.agent_client import AgentLink, Assignment
 from remesh.elastic.errors import AgentUnreachable, RestartProcess
+from remesh.elastic.exits import Why
 from remesh.elastic.runtime import peer_failures
 from remesh.elastic.schedule import SnapshotSchedule
 from remesh.elastic.watchdog import Watchdog
@@ -111,7 +112,7 @@ class Progress:
         try:
             self.agent.ack(assignment.epoch, restored, source, phases, restored_bytes, reached)
         except AgentUnreachable as exc:
-            raise RestartProcess(str(exc)) from exc
+            raise RestartProcess(str(exc), Why.AGENT_UNREACHABLE) from exc
         finally:
             structlog.contextvars.unbind_contextvars("recovery")
 

@@ -26,10 +26,12 @@ from jax.sharding import NamedSharding
 from remesh.elastic import restore_plan
 from remesh.elastic.agent_client import Assignment
 from remesh.elastic.cells import Cell, RestorePoint, whole
-from remesh.elastic.checkpointing import CheckpointStore
+from remesh.elastic.checkpointing import INPUT_KEY, CheckpointStore
 from remesh.elastic.checkpoints import CheckpointError, Trusted
+from remesh.elastic.data import DataPosition
 from remesh.elastic.errors import PeerFailure, RestartProcess, StateLost
 from remesh.elastic.exchange import FetchFailed, Pieces, PieceServer, advertised_host, fetch
+from remesh.elastic.exits import Why
 from remesh.elastic.restore_plan import FromMembers, Held, MemberOffer, ReadCheckpoint
 from remesh.elastic.runtime import Runtime, peer_failures
 from remesh.elastic.sharding import build, first_replicas, needed_cells
@@ -47,13 +49,15 @@ PyTree = Any
 class Restored:
     """The state an epoch starts from: its leaves on the mesh, its step, where it came from (a label
     for the acknowledgement: "memory", "peer+buddy", "local", "scratch", ...), the bytes per source,
-    and where the restore's time went (agreeing, fetching, reading, building)."""
+    where the restore's time went (agreeing, fetching, reading, building), and every host's input
+    position after the step where one was kept with it (``IteratorData``)."""
 
     leaves: list[jax.Array]
     step: int
     source: str
     restored_bytes: dict[str, int]
     phases: dict[str, float] = field(default_factory=dict)
+    data: DataPosition | None = None
 
 
 def on_device(leaves: list[jax.Array]) -> None:
@@ -94,6 +98,8 @@ class Restorer:
         # Every piece this process offered for the restore under way, by restore point: what its
         # piece server hands to the members that fetch from it.
         self._offered: dict[RestorePoint, Pieces] = {}
+        # The input positions this process holds at each restore point it offered (JSON text).
+        self._positions: dict[RestorePoint, str] = {}
         # Started by the first epoch of more than one process (``_address``): a world of one
         # fetches nothing, and its host may allow no TCP socket.
         self._server: PieceServer | None = None
@@ -170,19 +176,24 @@ class Restorer:
     def _offer(self, any_step: bool) -> MemberOffer:
         """This process's pieces at every restore point it holds (none unless ``any_step``), as it
         tells the others."""
-        self._offered = {}
+        self._offered, self._positions = {}, {}
         points: dict[RestorePoint, Held] = {}
         if any_step:
             shapes = self.template.shapes()
             for snap in self.snapshots.all(shapes):
                 point = (snap.step, snap.layout)
                 self._offered[point] = snap.pieces
-                points[point] = Held(point, snap.tier, frozenset(snap.pieces))
+                data = restore_plan.NO_DATA
+                if snap.data is not None:
+                    self._positions[point] = snap.data
+                    whole = DataPosition.from_json(snap.data).whole
+                    data = restore_plan.ALL_DATA if whole else restore_plan.SOME_DATA
+                points[point] = Held(point, snap.tier, frozenset(snap.pieces), data=data)
             for copy in self.buddies.all(shapes):
                 point = (copy.step, copy.layout)
                 self._offered[point] = {**copy.pieces, **self._offered.get(point, {})}
                 held = points.get(point, Held(point))
-                points[point] = Held(point, held.tier, held.own, frozenset(copy.pieces))
+                points[point] = Held(point, held.tier, held.own, frozenset(copy.pieces), held.data)
         return MemberOffer(self._address(), tuple(points[p] for p in sorted(points)))
 
     def _address(self) -> str:
@@ -217,7 +228,13 @@ class Restorer:
         self.buddies.drop_after(plan.step)
         restored_bytes = plan.fetch.bytes_by_source
         source = "+".join(sorted(restored_bytes)) or "memory"
-        return Restored(leaves, plan.step, source, restored_bytes, phases)
+        data = None
+        if plan.data_from is not None:
+            # One member that holds every host's position hands it to all (one value in the store).
+            mine = self._positions.get(plan.point, "")
+            shared = self.runtime.share_text(f"input-{plan.step}", mine, plan.data_from, self.timeout_s)
+            data = DataPosition.from_json(shared)
+        return Restored(leaves, plan.step, source, restored_bytes, phases, data)
 
     def _gather(
         self, me: int, point: RestorePoint, holders: Mapping[tuple[int, Cell], tuple[int, str]]
@@ -323,7 +340,9 @@ class Restorer:
                 with peer_failures():
                     tree = store.restore_global(chosen, abstract, trusted, verified=True)
             except CheckpointError as exc:  # gone or cut short since the members checked it
-                raise RestartProcess(f"checkpoint of step {chosen} chosen by rank 0: {exc}") from exc
+                raise RestartProcess(
+                    f"checkpoint of step {chosen} chosen by rank 0: {exc}", Why.CHECKPOINT_GONE
+                ) from exc
             leaves = jax.tree_util.tree_leaves(tree)
             on_device(leaves)
             phases["restore_read"] = time.monotonic() - t
@@ -335,7 +354,9 @@ class Restorer:
             leaves = self._build({(i, whole(x.shape)): np.asarray(x) for i, x in enumerate(host)}, shardings)
             phases["restore_build"] = time.monotonic() - t
         nbytes = sum(int(x.nbytes) for x in first_replicas(leaves).values())
-        return Restored(leaves, chosen, store.name, {store.name: nbytes}, phases)
+        committed = store.extra_of(chosen, trusted).get(INPUT_KEY)
+        data = None if committed is None else DataPosition.from_dict(committed)
+        return Restored(leaves, chosen, store.name, {store.name: nbytes}, phases, data)
 
     def _read_replicated(
         self, step: int, template: list[Any], trusted: Trusted

@@ -32,6 +32,9 @@ from remesh.elastic.cells import (
 )
 
 __all__ = [
+    "ALL_DATA",
+    "NO_DATA",
+    "SOME_DATA",
     "FromMembers",
     "FromScratch",
     "Held",
@@ -45,15 +48,23 @@ __all__ = [
 ]
 
 
+# What a member holds of the input position at a restore point (``Held.data``): none was kept
+# with the step (the input is addressed by step), only some hosts' (it did not gather every one),
+# or every host's (iterators that keep their own position: ``remesh.elastic.data.IteratorData``).
+NO_DATA, SOME_DATA, ALL_DATA = "", "some", "all"
+
+
 @dataclass(frozen=True)
 class Held:
     """What one member holds at one restore point: its own pieces (kept in ``tier``: "memory", or
-    "host-shm" for a process restarted on its host since) and its copies of its buddy's pieces."""
+    "host-shm" for a process restarted on its host since), its copies of its buddy's pieces, and the
+    hosts' input position (``NO_DATA``, ``SOME_DATA`` or ``ALL_DATA``)."""
 
     point: RestorePoint
     tier: str = "memory"
     own: frozenset[Key] = frozenset()
     buddy: frozenset[Key] = frozenset()
+    data: str = NO_DATA
 
 
 @dataclass(frozen=True)
@@ -67,7 +78,7 @@ class MemberOffer:
     def to_json(self) -> str:
         """As the members exchange it (the coordination service's key-value store, as text)."""
         points = [
-            [*h.point, h.tier, [encode_key(k) for k in h.own], [encode_key(k) for k in h.buddy]]
+            [*h.point, h.tier, [encode_key(k) for k in h.own], [encode_key(k) for k in h.buddy], h.data]
             for h in self.held
         ]
         return json.dumps({"addr": self.address, "points": points})
@@ -83,8 +94,9 @@ class MemberOffer:
                     str(tier),
                     frozenset(decode_key(k) for k in own),
                     frozenset(decode_key(k) for k in buddy),
+                    str(data),
                 )
-                for step, layout, tier, own, buddy in raw["points"]
+                for step, layout, tier, own, buddy, data in raw["points"]
             ),
         )
 
@@ -103,10 +115,12 @@ class Need:
 @dataclass(frozen=True)
 class FromMembers:
     """Restore ``point`` from the members' memory: each process fetches what it lacks as ``fetch``
-    says (its own pieces first, then its buddy copies, then peers'), host to host."""
+    says (its own pieces first, then its buddy copies, then peers'), host to host; and every host's
+    input position from rank ``data_from`` (None: none was kept with the step)."""
 
     point: RestorePoint
     fetch: Fetch
+    data_from: int | None = None
 
     @property
     def step(self) -> int:
@@ -195,20 +209,21 @@ def newest_held(
 ) -> tuple[FromMembers | None, tuple[RestorePoint, ...]]:
     """The newest restore point whose pieces the members hold between them, with where this process
     fetches each piece it lacks (None where they hold no point whole), and the newer points they
-    hold only in part."""
+    hold only in part. A point whose input position was kept (``Held.data``) is whole only where a
+    member holds every host's: a step restored without it would read other data than it did."""
     points = sorted({h.point for o in offers for h in o.held}, reverse=True)
     incomplete: list[RestorePoint] = []
     for point in points:
-        members = [
-            Offer(rank, h.own, h.buddy, h.tier)
-            for rank, o in enumerate(offers)
-            for h in o.held
-            if h.point == point
-        ]
+        held = [(rank, h) for rank, o in enumerate(offers) for h in o.held if h.point == point]
+        members = [Offer(rank, h.own, h.buddy, h.tier) for rank, h in held]
+        every_position = [rank for rank, h in held if h.data == ALL_DATA]
+        if not every_position and any(h.data != NO_DATA for _, h in held):
+            incomplete.append(point)
+            continue
         try:
             fetch = plan_fetch(need.rank, need.cells, members, need.shapes, need.itemsizes)
         except Uncovered:
             incomplete.append(point)
             continue
-        return FromMembers(point, fetch), tuple(incomplete)
+        return FromMembers(point, fetch, min(every_position, default=None)), tuple(incomplete)
     return None, tuple(incomplete)

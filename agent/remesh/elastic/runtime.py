@@ -19,6 +19,7 @@ import errno
 import os
 import select
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -143,14 +144,26 @@ class Runtime:
     - one -> many: ``start`` clears the backend the epochs of one kept, before ``initialize`` (JAX
       refuses to initialise once a backend exists); that epoch's arrays are invalid afterwards, as
       after any re-mesh.
+
+    Rank 0's process hosts the epoch's coordination service, and every other member disconnects
+    from it as it leaves the epoch: one that finds it gone is ended by JAX ("Failed to disconnect
+    from coordination service"). After a failure the members leave at different moments (a survivor
+    still in its collective leaves when that times out), so rank 0's ``stop`` leaves the service
+    running, retired, and shuts it down once the next epoch's members met (every one of them left
+    this epoch by then), or when the runtime closes.
     """
 
     def __init__(self, init_timeout_s: float, shutdown_timeout_s: float = 2.0) -> None:
         self.init_timeout_s = init_timeout_s
         self.shutdown_timeout_s = shutdown_timeout_s
         self.assignment: Assignment | None = None
-        # What a world of one posted (``post_int``), by key: it has no coordination service.
+        # What a world of one posted (``post_int``, ``post_text``), by key: it has no coordination
+        # service.
         self._posted: dict[str, int] = {}
+        self._posted_texts: dict[str, str] = {}
+        # Coordination services of epochs this process left as rank 0, still serving the members
+        # that have not disconnected yet (see the class).
+        self._retired: list[object] = []
 
     @property
     def solo(self) -> bool:
@@ -176,8 +189,9 @@ class Runtime:
         )
         if assignment.world_size == 1:
             _forget_distributed()
-            self._posted = {}
+            self._posted, self._posted_texts = {}, {}
             self.assignment = assignment
+            self._shut_retired()
             return
         if _backend_exists():
             # The epochs of one before kept theirs (or the user's code made one): JAX initialises
@@ -187,6 +201,8 @@ class Runtime:
             # JAX would crash binding it, and the others would dial whatever listens there.
             raise AddressInUse(assignment.jax_coordinator, assignment.epoch)
         _Rendezvous(assignment, latest_epoch, self.init_timeout_s).meet()
+        # Every member of this epoch left the one before: its service has nobody left to serve.
+        self._shut_retired()
         if assignment.rank != 0:
             _wait_reachable(assignment.jax_coordinator, self.init_timeout_s)
         with peer_failures():
@@ -255,6 +271,48 @@ class Runtime:
         ranks = range(self.assignment.world_size)
         return [values[r] for r in ranks] if all(r in values for r in ranks) else None
 
+    def post_text(self, name: str, value: str) -> None:
+        """Offer this process's ``value`` for ``name`` (small: the store keeps it in rank 0's
+        process); ``posted_texts`` reads what every process offered."""
+        assert self.assignment is not None
+        if self.solo:
+            self._posted_texts[self._key(name)] = value
+            return
+        with peer_failures():
+            self._client().key_value_set(f"{self._key(name)}/{self.assignment.rank}", value)
+
+    def posted_texts(self, name: str) -> dict[int, str]:
+        """What the processes offered for ``name`` so far (``post_text``), by rank. Never waits."""
+        assert self.assignment is not None
+        if self.solo:
+            mine = self._posted_texts.get(self._key(name))
+            return {} if mine is None else {0: mine}
+        with peer_failures():
+            posted = self._client().key_value_dir_get(f"{self._key(name)}/")
+        return {int(key.rpartition("/")[2]): str(value) for key, value in posted}
+
+    def withdraw_text(self, name: str) -> None:
+        """Take back what this process offered for ``name`` (nobody reads it any more)."""
+        assert self.assignment is not None
+        if self.solo:
+            self._posted_texts.pop(self._key(name), None)
+            return
+        with peer_failures():
+            self._client().key_value_delete(f"{self._key(name)}/{self.assignment.rank}")
+
+    def share_text(self, name: str, value: str, source: int, timeout_s: float) -> str:
+        """Rank ``source``'s ``value`` for ``name``, on every process: it offers it, the others wait
+        for it. One value through the store, not one per process."""
+        assert self.assignment is not None
+        if self.solo or self.assignment.rank == source:
+            if not self.solo:
+                self.post_text(name, value)
+            return value
+        with peer_failures():
+            return str(
+                self._client().blocking_key_value_get(f"{self._key(name)}/{source}", int(timeout_s * 1000))
+            )
+
     def allgather_text(self, name: str, value: str, timeout_s: float) -> list[str]:
         """Every process's ``value``, in rank order, through the coordination service's key-value
         store (small values: it keeps them all in rank 0's process)."""
@@ -288,6 +346,7 @@ class Runtime:
             while len(client.get_live_nodes(everyone)) > 1 and time.monotonic() < deadline:
                 time.sleep(0.01)
         self.stop()
+        self._shut_retired()  # every member left: the service goes now, not at the next epoch
         return time.monotonic() - t0
 
     def stop(self) -> float:
@@ -297,6 +356,7 @@ class Runtime:
         if self.solo:
             self.assignment = None
             return time.monotonic() - t0
+        self._retire_service()
         try:
             jax.distributed.shutdown()
         except Exception as exc:  # a dead peer can fail the shutdown barrier: the runtime is gone anyway
@@ -304,6 +364,40 @@ class Runtime:
         _drop_backend()
         self.assignment = None
         return time.monotonic() - t0
+
+    def close(self) -> None:
+        """The process is done with JAX's runtime: the services it retired go."""
+        self._shut_retired()
+
+    def _retire_service(self) -> None:
+        """Take the coordination service this process hosts (rank 0) out of JAX's hands, still
+        serving: ``jax.distributed.shutdown`` then disconnects this process's client only. Private JAX
+        API: if it moves, the service is shut down with the client, as before."""
+        try:
+            from jax._src import distributed
+        except ImportError:  # pragma: no cover
+            return
+        state = distributed.global_state
+        service = getattr(state, "service", None)
+        if service is not None:
+            self._retired.append(service)
+            state.service = None
+
+    def _shut_retired(self) -> None:
+        """Shut the retired services down, in the background: one whose dead member never
+        disconnected waits out its shutdown timeout, and nothing here needs to wait for it."""
+        retired, self._retired = self._retired, []
+        for service in retired:
+            threading.Thread(
+                target=_shut_service, args=(service,), name="remesh-retired-service", daemon=True
+            ).start()
+
+
+def _shut_service(service: object) -> None:
+    try:
+        service.shutdown()  # type: ignore[attr-defined]
+    except Exception as exc:  # it served an epoch that is over; nothing depends on it any more
+        log.warning("a retired JAX coordination service reported an error", error=str(exc).splitlines()[0])
 
 
 def _drop_backend() -> None:

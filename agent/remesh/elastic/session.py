@@ -15,12 +15,16 @@ agent assigns, the session
 
 and when a new epoch arrives (``TopologyChanged`` at a step boundary) or a collective fails
 (``PeerFailure``, a dead peer) it tears the runtime down and goes round again in the same process.
-Where that is impossible it exits with ``RESTART_EXIT_CODE`` and the agent starts a fresh process.
+Where that is impossible it exits with ``RESTART_EXIT_CODE`` and the agent starts a fresh process;
+the reason is named, with its fix, in the log and in the exit note the agent reads
+(``remesh.elastic.exits``). Started without an agent (no ``REMESH_AGENT_ADDRESS``), the session is a
+job of one host (``remesh.elastic.solo``).
 
 The session is this loop over its parts, each a module of its own: ``restore`` (with the pure
 ``restore_plan``), ``schedule`` (when snapshots and buddy copies are due), ``snapshotting``,
-``buddy_copies``, ``checkpointing``, ``compiling``, ``progress``, ``watchdog`` and ``epoch`` (what
-happens between two steps). Faults are injected only as a value (``faults.Faults``).
+``buddy_copies``, ``checkpointing``, ``compiling``, ``progress``, ``watchdog``, ``input_positions``
+(every host's iterator position, for ``IteratorData``) and ``epoch`` (what happens between two
+steps). Faults are injected only as a value (``faults.Faults``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 import jax
@@ -38,7 +43,7 @@ import structlog
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from remesh.elastic.agent_client import AgentClient, AgentLink, Assignment
+from remesh.elastic.agent_client import AgentLink, Assignment
 from remesh.elastic.buddy_copies import BuddyCopies
 from remesh.elastic.checkpointing import CheckpointSaver, CheckpointStore
 from remesh.elastic.compiling import StepCompiler
@@ -52,15 +57,18 @@ from remesh.elastic.errors import (
     RestartProcess,
     StateLost,
 )
+from remesh.elastic.exits import FIXES, ExitNote, Why, write_note
 from remesh.elastic.faults import FailOnce, Faults
+from remesh.elastic.input_positions import InputPositions
 from remesh.elastic.policy import Policy
 from remesh.elastic.progress import Progress, StepResult, running_totals
 from remesh.elastic.restore import Restorer
 from remesh.elastic.runtime import Runtime, configure_backend
 from remesh.elastic.schedule import SnapshotSchedule
 from remesh.elastic.sharding import AXES, Layout, build_mesh, whole
-from remesh.elastic.snapshots import release
+from remesh.elastic.snapshots import hold_alone, release
 from remesh.elastic.snapshotting import MissingTiers, Snapshotter, host_memory_tiers
+from remesh.elastic.solo import SoloAgent, agent_from_env
 from remesh.elastic.template import StateTemplate
 from remesh.elastic.watchdog import Watchdog
 from remesh.v1.contract import (
@@ -118,38 +126,59 @@ class Session:
         faults: Faults | None = None,
     ) -> None:
         policy = self.policy = policy or Policy()
+        # "cpu", "gpu", "tpu": the platform the backend will be made for (none is made here).
+        self.platform = configure_backend(
+            devices_per_host, policy.collective_timeout_s, policy.compilation_cache_dir
+        )
         self.layout = layout or Layout()
         self.schedule = schedule or SnapshotSchedule.of(policy)
         faults = faults or Faults()
         if batch_for_step is not None and data is not None:
             raise TypeError("give the session batch_for_step or data, not both")
+        if data is not None and not isinstance(data, StepData):
+            raise TypeError(
+                f"Session(data=...) takes a source addressed by step (GrainData, StepData), not "
+                f"{type(data).__name__}: read an IteratorData in your own loop (Session.epochs, epoch.data)"
+            )
         self._train_step = train_step
         self._batch_for_step = batch_for_step
         self._data = data
         self.devices_per_host = devices_per_host
         self.checkpoints = list(checkpoints)
-        self.agent: AgentLink = agent or AgentClient.from_env(progress_every_s=policy.progress_every_s)
         job = job_id or os.environ.get(Env.JOB, "default")
         self.job_id = job
+        # Without an agent (REMESH_AGENT_ADDRESS unset) the script runs as a job of one host.
+        self.agent: AgentLink = agent or agent_from_env(job, progress_every_s=policy.progress_every_s)
         self.template = StateTemplate(init_state)
         self.stats = running_totals()
         # The tiers that could not keep a snapshot of this process, counted and told to the agent.
         self._missing = MissingTiers(self.agent, self.stats, policy.shm_dir)
+        shm_name = f"remesh-{job}-{self.agent.latest.host_id or 'host'}"
+        owner = os.environ.get(Env.AGENT_SESSION)
+        # A job run alone holds its snapshot directory for as long as the process runs (see solo).
+        self._alone: int | None = None
+        if isinstance(self.agent, SoloAgent):
+            owner = self.agent.session
+            if policy.shm_dir:
+                self._alone = _hold_alone(os.path.join(policy.shm_dir, shm_name))
         self.snapshots, self.buddies = host_memory_tiers(
             policy.shm_dir,
-            f"remesh-{job}-{self.agent.latest.host_id or 'host'}",
-            os.environ.get(Env.AGENT_SESSION),
+            shm_name,
+            owner,
             self.schedule.own_snapshots_kept(policy.snapshots_kept),
             self._missing,
         )
         self.runtime = Runtime(policy.init_timeout_s)
+        step_grace_s = policy.step_exit_after_s(self.platform)
         self.watchdog = Watchdog(
             self.agent,
             stall_after_s=policy.stall_report_after_s,
-            step_grace_s=policy.stuck_step_exit_s,
+            step_grace_s=step_grace_s,
             join_grace_s=policy.stuck_join_exit_s,
             steps_done=lambda: self.progress.step,
             on_stuck=self._restart_process,
+            # On CPU a collective waiting for a dead peer fails by itself: the process recovers in place.
+            collectives_end=self.platform == "cpu",
         )
         self.progress = Progress(
             self.agent, self.watchdog, self.schedule, self.stats, policy.checkpoint_every
@@ -194,10 +223,12 @@ class Session:
         self.compiler = (
             StepCompiler(self.template, train_step, data, batch_for_step) if train_step is not None else None
         )
+        # Every host's input position at the steps whose state is kept (IteratorData).
+        self.positions = InputPositions(self.runtime, policy.init_timeout_s)
         # What every epoch works with: the parts above, and the faults injected into them.
         self._parts = EpochParts(
             policy, devices_per_host, self.agent, self.runtime, self.watchdog, self.progress, self.schedule,
-            self.snapshotter, self.buddy_copies, self.saver,
+            self.snapshotter, self.buddy_copies, self.saver, self.positions,
             FailOnce(faults.collective_fails_at_step), faults.compile_delay_s, self._finish,
         )  # fmt: skip
         self.rank = -1
@@ -208,12 +239,8 @@ class Session:
         self.last_restore: dict[str, Any] = {}
         # Set by ``close``: the threads of the session end.
         self._closed = False
-        if policy.stuck_step_exit_s is not None or policy.stuck_join_exit_s is not None:
+        if step_grace_s is not None or policy.stuck_join_exit_s is not None:
             self.watchdog.start()
-        # "cpu", "gpu", "tpu": the platform the backend will be made for (none is made here).
-        self.platform = configure_backend(
-            devices_per_host, policy.collective_timeout_s, policy.compilation_cache_dir
-        )
 
     @property
     def tiers_missing(self) -> dict[str, str]:
@@ -317,20 +344,25 @@ class Session:
                 self.watchdog.clear()
                 teardown = self.runtime.stop()
                 if recoveries > self.policy.max_in_process_recoveries:
-                    self._restart_process(f"{recoveries} in-process recoveries; asking for a fresh process")
+                    self._restart_process(
+                        Why.RECOVERIES_EXHAUSTED,
+                        f"{recoveries} in-process recoveries; asking for a fresh process",
+                    )
                 newer = wait_after(
                     self.agent, assignment.epoch, exc, self.policy.epoch_wait_s, lambda: self.progress.step
                 )
                 if newer is None:
-                    self._restart_process(f"no new epoch within {self.policy.epoch_wait_s:g}s after: {exc}")
+                    self._restart_process(
+                        Why.NO_NEW_EPOCH, f"no new epoch within {self.policy.epoch_wait_s:g}s after: {exc}"
+                    )
                 self._recovery = {"teardown": teardown, "wait_epoch": time.monotonic() - t_fail - teardown}
                 assignment = newer
             except AddressInUse as exc:
-                self._exit(ADDRESS_IN_USE_EXIT_CODE, str(exc))
+                self._exit(ADDRESS_IN_USE_EXIT_CODE, exc.why, str(exc))
             except StateLost as exc:
-                self._exit(STATE_LOST_EXIT_CODE, str(exc))
+                self._exit(STATE_LOST_EXIT_CODE, exc.why, str(exc))
             except RestartProcess as exc:
-                self._restart_process(str(exc))
+                self._restart_process(exc.why, str(exc))
 
     def _until_placed(self, assignment: Assignment) -> Assignment | None:
         """Standby until this host holds a rank (a spare, or shrunk away); None when the job halted."""
@@ -348,13 +380,20 @@ class Session:
             assignment = placed or assignment
         return assignment
 
-    def _restart_process(self, reason: str) -> NoReturn:
-        self._exit(RESTART_EXIT_CODE, reason)
+    def _restart_process(self, why: Why, reason: str) -> NoReturn:
+        self._exit(RESTART_EXIT_CODE, why, reason)
 
-    def _exit(self, code: int, reason: str) -> NoReturn:
+    def _exit(self, code: int, why: Why, reason: str) -> NoReturn:
+        """End the process for a fresh one (the agent starts it), saying why: in the log, with the
+        fix, and in the exit note the agent reads (``remesh.elastic.exits``)."""
         log.error(
-            "in-process recovery impossible; exiting for the agent to restart us", reason=reason, code=code
+            "in-process recovery impossible; exiting for the agent to start a fresh process",
+            why=why.value,
+            reason=reason,
+            fix=FIXES[why],
+            code=code,
         )
+        write_note(ExitNote(why, reason, FIXES[why], code))
         # The newest step still waiting for its report (they go out at most once a second): the
         # agent tells the coordinator how far this process got when its successor acknowledges.
         self.agent.flush_progress(timeout=0.5)
@@ -418,12 +457,15 @@ class Session:
             epoch=assignment.epoch,
             step=step,
             source=source,
+            # The same pid in every epoch: the process recovered in place.
+            pid=os.getpid(),
             mesh=dict(mesh.shape),
             restored_bytes=restored_bytes,
             **_rounded(phases),
         )
         self.progress.begin(step)
         self.snapshotter.begin(step)
+        self.positions.begin()
         return Epoch(
             self._parts,
             assignment,
@@ -436,6 +478,7 @@ class Session:
             restored_bytes=restored_bytes,
             phases=phases,
             compiled=compiled,
+            restored_data=restored.data,
         )
 
     def _shardings(self, mesh: Mesh) -> list[NamedSharding]:
@@ -460,7 +503,9 @@ class Session:
             except AgentUnreachable as exc:
                 log.warning("could not report the job finished; retrying", error=str(exc), attempt=attempt)
         else:
-            raise RestartProcess("the agent did not take the report that the job finished")
+            raise RestartProcess(
+                "the agent did not take the report that the job finished", Why.AGENT_UNREACHABLE
+            )
         log.info("job finished", step=step, epoch=assignment.epoch)
         self._release_host_memory()
         try:
@@ -526,8 +571,12 @@ class Session:
         self.watchdog.join()
         if self.runtime.assignment is not None:  # left in the middle of an epoch
             self.runtime.stop()
+        self.runtime.close()
         self.snapshots.let_go()
         self.buddies.let_go()
+        if self._alone is not None:
+            os.close(self._alone)
+            self._alone = None
 
     def __enter__(self) -> Session:
         return self
@@ -563,6 +612,15 @@ def wait_after(
             return newer
         if isinstance(failure, PeerFailure):
             say_collective_failed(agent, epoch, steps_done(), failure)
+
+
+def _hold_alone(directory: str) -> int | None:
+    """``snapshots.hold_alone`` on a job run alone's snapshot directory; None where the directory
+    cannot be made (the snapshot tier then says so itself, ``host_memory_tiers``)."""
+    try:
+        return hold_alone(Path(directory))
+    except OSError:
+        return None
 
 
 def _rounded(phases: Mapping[str, float]) -> dict[str, float]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -46,6 +47,7 @@ __all__ = [
     "Snapshots",
     "claim",
     "fits",
+    "hold_alone",
     "read_pieces",
     "release",
     "write_pieces",
@@ -65,6 +67,8 @@ _SPARES = 2
 
 # In a host's snapshot directory: the agent process whose trainers wrote what it holds.
 _OWNER = "AGENT"
+# In the snapshot directory of a job run alone (no agent): locked by the process that runs it.
+_ALONE = "ALONE"
 
 
 def claim(directory: Path, owner: str) -> None:
@@ -81,7 +85,7 @@ def claim(directory: Path, owner: str) -> None:
         found = None
     if found == owner:
         return
-    stale = [p for p in directory.iterdir() if p.name != _OWNER]
+    stale = [p for p in directory.iterdir() if p.name not in (_OWNER, _ALONE)]
     if stale:
         log.info(
             "host-memory snapshots of an earlier agent deleted",
@@ -99,6 +103,28 @@ def claim(directory: Path, owner: str) -> None:
     os.replace(tmp, marker)
 
 
+def hold_alone(directory: Path) -> int:
+    """Lock ``directory`` for this process, which runs its job alone (no agent, so no agent session
+    to tell its snapshots from another run's): a second run of the same job id on this host at the
+    same time would otherwise delete this one's snapshots, or restore them as its own. Returns the
+    descriptor holding the lock (it goes with the process, however that ends; ``os.close`` lets it
+    go sooner). RuntimeError, saying what to do, where another live process holds it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory / _ALONE, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RuntimeError(
+            f"another process runs this job alone on this host (its snapshots are in {directory}): "
+            "give this run another job id (Session(job_id=...) or REMESH_JOB), or stop the other"
+        ) from None
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
 def release(directory: Path) -> None:
     """Delete ``directory`` and every snapshot in it: the job finished, and nothing restores from
     host memory any more (tmpfs is RAM: a host's snapshots would otherwise outlive the job)."""
@@ -106,12 +132,13 @@ def release(directory: Path) -> None:
 
 
 class Snapshot:
-    """The pieces of one step, the epoch whose mesh laid them out, and where they were found."""
+    """The pieces of one step, the epoch whose mesh laid them out, where they were found, and the
+    input position kept with them (``DataPosition`` as JSON text; None: none was)."""
 
-    __slots__ = ("layout", "pieces", "step", "tier")
+    __slots__ = ("data", "layout", "pieces", "step", "tier")
 
-    def __init__(self, step: int, layout: int, pieces: Pieces, tier: str) -> None:
-        self.step, self.layout, self.pieces, self.tier = step, layout, pieces, tier
+    def __init__(self, step: int, layout: int, pieces: Pieces, tier: str, data: str | None = None) -> None:
+        self.step, self.layout, self.pieces, self.tier, self.data = step, layout, pieces, tier, data
 
 
 # The tier of a snapshot read from, or meant for, a snapshot directory (as ``Snapshot.tier`` says).
@@ -130,7 +157,8 @@ class Snapshots:
         self.keep = keep
         self.directory = directory
         self.on_not_kept = on_not_kept
-        self._memory: collections.OrderedDict[int, tuple[int, Pieces]] = collections.OrderedDict()
+        # step -> (layout, pieces, input position as JSON text or None)
+        self._memory: collections.OrderedDict[int, tuple[int, Pieces, str | None]] = collections.OrderedDict()
         # Steps a peer copied (its buddy copy of ours): kept past the window until newer ones are.
         self._pinned: collections.deque[int] = collections.deque(maxlen=2)
         self._lock = threading.Lock()
@@ -144,8 +172,9 @@ class Snapshots:
         if directory is not None:
             directory.mkdir(parents=True, exist_ok=True)
 
-    def put(self, step: int, layout: int, pieces: Pieces) -> Pieces:
-        """Keep ``pieces`` as the snapshot of ``step``; returns what is kept. With a directory the
+    def put(self, step: int, layout: int, pieces: Pieces, data: str | None = None) -> Pieces:
+        """Keep ``pieces`` (and ``data``, the input position after the step, where given) as the
+        snapshot of ``step``; returns what is kept. With a directory the
         pieces are written to a file there and what is kept in memory is that file, mapped: one
         copy of the bytes in all, and ``pieces`` may be views the caller does not own (a device
         buffer's). Without one, ``pieces`` themselves: the caller hands over pieces it owns. Where
@@ -158,7 +187,7 @@ class Snapshots:
             # In /dev/shm, so that a trainer process the agent restarts finds it too. Written whole
             # under a temporary name first: a restore never reads half a snapshot.
             try:
-                kept = self._map(self._write(step, layout, pieces))[1]
+                kept = self._map(self._write(step, layout, pieces, data))[1]
             except Exception as exc:  # whatever it was, the snapshot is not where it was meant to be
                 failed = f"{type(exc).__name__}: {exc}"
                 log.error(
@@ -172,7 +201,7 @@ class Snapshots:
                 )
                 kept = {key: np.array(values, copy=True) for key, values in pieces.items()}
         with self._lock:
-            self._memory[step] = (layout, kept)
+            self._memory[step] = (layout, kept, data)
             self._memory.move_to_end(step)
             self._trim()
         if failed is not None and self.on_not_kept is not None:
@@ -198,11 +227,11 @@ class Snapshots:
             found = self._memory.get(step)
         return found[1] if found is not None and found[0] == layout else {}
 
-    def _write(self, step: int, layout: int, pieces: Pieces) -> Path:
+    def _write(self, step: int, layout: int, pieces: Pieces, data: str | None = None) -> Path:
         """One file per step: a JSON header (restore point, and dtype, shape and offset of every
         piece), then the raw bytes of each piece; written whole under a temporary name, then renamed."""
         assert self.directory is not None
-        where = _layout(step, layout, pieces)
+        where = _layout(step, layout, pieces, data)
         tmp = self.directory / f".step_{step:010d}{_TEMPORARY}"
         final = self.directory / f"step_{step:010d}{_SUFFIX}"
         with self._lock:
@@ -258,15 +287,15 @@ class Snapshots:
                 return spare
         return None
 
-    def _map(self, path: Path) -> tuple[int, Pieces]:
+    def _map(self, path: Path) -> tuple[int, Pieces, str | None]:
         """``_read``, remembering the mapping so that the file is not written over while in use."""
-        layout, pieces, mapped = _read(path)
+        layout, pieces, mapped, data = _read(path)
         if mapped is not None:
             ino = os.stat(path).st_ino
             with self._lock:
                 self._maps = {k: r for k, r in self._maps.items() if r() is not None}
                 self._maps[ino] = weakref.ref(mapped)
-        return layout, pieces
+        return layout, pieces, data
 
     def clear(self) -> None:
         """Forget every snapshot: the run restarted its timeline from a checkpoint or from scratch."""
@@ -330,14 +359,14 @@ class Snapshots:
         with self._lock:
             found = self._memory.get(step)
         if found is not None:
-            return Snapshot(step, found[0], found[1], "memory")
+            return Snapshot(step, found[0], found[1], "memory", found[2])
         if self.directory is None:
             return None
         path = self.directory / f"step_{step:010d}{_SUFFIX}"
         if not path.exists():
             return None
         try:
-            layout, pieces = self._map(path)
+            layout, pieces, data = self._map(path)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning(
                 "host snapshot unreadable; falling back to the next tier",
@@ -349,7 +378,7 @@ class Snapshots:
         if not fits(pieces, shapes):
             log.warning("host snapshot does not fit this model; ignoring it", step=step, path=str(path))
             return None
-        return Snapshot(step, layout, pieces, HOST_SHM)
+        return Snapshot(step, layout, pieces, HOST_SHM, data)
 
 
 def write_pieces(path: Path, step: int, layout: int, pieces: Pieces) -> int:
@@ -381,7 +410,7 @@ def _removed_if_failed(tmp: Path) -> Iterator[None]:
 def read_pieces(path: Path) -> tuple[int, Pieces]:
     """The layout and pieces of a file ``write_pieces`` (or a snapshot) wrote, mapped into memory:
     a piece's bytes are read when used. ValueError if it is not whole."""
-    layout, pieces, _ = _read(path)
+    layout, pieces, _, _ = _read(path)
     return layout, pieces
 
 
@@ -395,14 +424,17 @@ class _Layout(NamedTuple):
     size: int
 
 
-def _layout(step: int, layout: int, pieces: Pieces) -> _Layout:
+def _layout(step: int, layout: int, pieces: Pieces, data: str | None = None) -> _Layout:
     entries: list[list[Any]] = []
     offset = 0
     for key, values in pieces.items():
         offset = -(-offset // _ALIGN) * _ALIGN
         entries.append([encode_key(key), dtype_name(values.dtype), list(values.shape), offset, values.nbytes])
         offset += values.nbytes
-    header = json.dumps({"step": step, "layout": layout, "pieces": entries, "size": offset}).encode()
+    described: dict[str, Any] = {"step": step, "layout": layout, "pieces": entries, "size": offset}
+    if data is not None:
+        described["data"] = data
+    header = json.dumps(described).encode()
     head = _MAGIC + len(header).to_bytes(8, "little") + header
     start = -(-len(head) // _ALIGN) * _ALIGN
     return _Layout(head.ljust(start, b"\0"), [start + e[3] for e in entries], start + offset)
@@ -439,10 +471,10 @@ def _as_dtype(dtype: Any) -> np.dtype[Any]:
     return dtype_of(dtype) if isinstance(dtype, str) else np.dtype(dtype)
 
 
-def _read(path: Path) -> tuple[int, Pieces, np.ndarray | None]:
+def _read(path: Path) -> tuple[int, Pieces, np.ndarray | None, str | None]:
     """The layout and pieces of a snapshot file, as read-only views of it mapped into memory (no
-    byte is read until used), and the mapping they are views of (None: an empty file). ValueError if
-    the file is not a whole snapshot."""
+    byte is read until used), the mapping they are views of (None: an empty file), and the input
+    position kept with them (None: none). ValueError if the file is not a whole snapshot."""
     with open(path, "rb") as f:
         if f.read(len(_MAGIC)) != _MAGIC:
             raise ValueError("not a remesh snapshot")
@@ -463,7 +495,8 @@ def _read(path: Path) -> tuple[int, Pieces, np.ndarray | None]:
             else np.zeros(0, np.uint8)
         )
         pieces[decode_key(raw_key)] = flat.view(dtype_of(dtype)).reshape(shape)
-    return int(header["layout"]), pieces, mapped
+    data = header.get("data")
+    return int(header["layout"]), pieces, mapped, None if data is None else str(data)
 
 
 def _step_of(path: Path) -> int:

@@ -26,6 +26,7 @@ import structlog
 
 from remesh.elastic.agent_client import AgentLink
 from remesh.elastic.cells import Cell, cell_of
+from remesh.elastic.data import Gather
 from remesh.elastic.errors import TopologyChanged
 from remesh.elastic.exchange import Pieces, beside_training
 from remesh.elastic.host_copies import SnapshotCopy
@@ -40,12 +41,14 @@ log = structlog.get_logger("remesh.elastic")
 
 @dataclass(eq=False)
 class InFlight:
-    """A snapshot on its way to the host: its step, the epoch whose mesh laid it out, its copy, the
-    background work keeping it, and when it was kept (None until then, and if it never is)."""
+    """A snapshot on its way to the host: its step, the epoch whose mesh laid it out, its copy, how
+    every host's input position after the step is gathered (None: none is kept), the background
+    work keeping it, and when it was kept (None until then, and if it never is)."""
 
     step: int
     epoch: int
     copy: SnapshotCopy[tuple[int, Cell]]
+    position: Gather | None = None
     future: Future[None] = field(init=False)
     kept_at: float | None = None
 
@@ -97,7 +100,13 @@ class Snapshotter:
         self.stats["snapshot_every"], self.stats["snapshot_since"] = self.schedule.every, self.schedule.since
 
     def take(
-        self, step: int, epoch: int, leaves: Sequence[jax.Array], wait: bool = False, alone: bool = False
+        self,
+        step: int,
+        epoch: int,
+        leaves: Sequence[jax.Array],
+        wait: bool = False,
+        alone: bool = False,
+        position: Gather | None = None,
     ) -> None:
         """Copy this process's own shards of ``step`` to the host in the background and keep them as
         a snapshot once whole.
@@ -108,7 +117,8 @@ class Snapshotter:
         needs one step that every member holds, and skips decided by each member's own timing would
         leave them holding different steps (an HSDP job lost every step that way). Waits are a cost
         the schedule counts, so an automatic cadence moves to an interval the snapshots fit in.
-        ``wait``: until this one is kept (the last step's).
+        ``wait``: until this one is kept (the last step's). ``position``: gathers every host's input
+        position after the step, kept with it (``InputPositions``).
         """
         if self.harvest() is not None:
             # Alone, no buddy copies are made: none of them waits for this snapshot either.
@@ -125,7 +135,7 @@ class Snapshotter:
         copy = SnapshotCopy(
             _own_shards(leaves), owned=self.store.directory is None, shard_delay_s=self.shard_delay_s
         )
-        snap = InFlight(step, epoch, copy)
+        snap = InFlight(step, epoch, copy, position)
         snap.future = self._pool.submit(self._keep, snap)
         self.in_flight = snap
         if wait:
@@ -233,7 +243,11 @@ class Snapshotter:
             return
         t = time.monotonic()
         try:
-            self.last_pieces = self.store.put(snap.step, snap.epoch, pieces)
+            # Every host posted its position at the step before its own snapshot of it: by now,
+            # after the step's copy, the others' are in (or their epoch is being left).
+            found = snap.position(lambda: snap.copy.stopped) if snap.position is not None else None
+            data = None if found is None else found.to_json()
+            self.last_pieces = self.store.put(snap.step, snap.epoch, pieces, data)
         finally:
             snap.copy.release()
         snap.kept_at = time.monotonic()

@@ -9,20 +9,27 @@ exist. Nothing is sent anywhere; progress and stall reports are dropped.
 
 It keeps the session's contract whole rather than adding a second code path to ``Session``: the
 restore still looks for snapshots and committed checkpoints first (restore step 0: "the job may have
-completed steps"), so a script run again resumes from its newest checkpoint.
+completed steps"), so a script run again resumes from its newest checkpoint. ``agent_from_env`` is
+how a ``Session`` finds its agent: the agent's local API where ``REMESH_AGENT_ADDRESS`` names one,
+else a ``SoloAgent``, said in one line of the log. The host-memory snapshots of a job run alone are
+this process's (``SoloAgent.session``): what an earlier run left in ``/dev/shm`` is deleted, never
+restored, and a second run of the same job id on the host at the same time is refused.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping
 
 import structlog
 
-from remesh.elastic.agent_client import Assignment
+from remesh.elastic.agent_client import PROGRESS_EVERY_S, AgentClient, AgentLink, Assignment
+from remesh.v1.contract import Env
 
-__all__ = ["SOLO_HOST", "SoloAgent"]
+__all__ = ["SOLO_HOST", "SoloAgent", "agent_from_env"]
 
 log = structlog.get_logger("remesh.elastic")
 
@@ -35,6 +42,9 @@ class SoloAgent:
 
     def __init__(self, job_id: str = "default") -> None:
         self.job_id = job_id
+        # This process's run of the job, in the place of an agent's session id: the host-memory
+        # snapshots it finds under any other were left by an earlier run.
+        self.session = f"solo-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._latest = Assignment(
             epoch=1,
             host_id=SOLO_HOST,
@@ -108,3 +118,21 @@ class SoloAgent:
         with self._changed:
             self._closed = True
             self._changed.notify_all()
+
+
+def agent_from_env(
+    job_id: str, env: Mapping[str, str] | None = None, progress_every_s: float = PROGRESS_EVERY_S
+) -> AgentLink:
+    """The agent of a trainer process: its local API where ``REMESH_AGENT_ADDRESS`` names one (the
+    process runs under ``remesh agent``), else a ``SoloAgent``: the script runs as a job of one host."""
+    env = os.environ if env is None else env
+    if env.get(Env.AGENT_ADDRESS):
+        return AgentClient.from_env(env, progress_every_s)
+    log.info(
+        "running alone: no remesh agent started this process (REMESH_AGENT_ADDRESS is not set), so it "
+        "is a job of one host with no coordinator; snapshots stay on this host and checkpoints go where "
+        "configured (run it again to resume from the newest). To survive host failures, run it on every "
+        "host under an agent: remesh agent --coordinator HOST:PORT --host-id NAME -- python SCRIPT",
+        job=job_id,
+    )
+    return SoloAgent(job_id)

@@ -8,8 +8,11 @@ epoch, leaving one, finishing the job) and clears it when done. A thread judges 
   before the collective times out);
 - blocking work still running its **grace** after a newer epoch was announced waits for a dead peer
   (a step in a collective, a join for a member that never comes): the process ends for the agent's
-  warm standby to take over at once. A step ends at once when the new epoch left out a member of
-  its own: it waits for a process that is gone.
+  warm standby to take over at once, with the reason named (``exits.Why``). Where collectives end by
+  themselves (CPU: a collective with a dead peer fails after the collective timeout) a step's grace
+  outlasts that, so the step fails and the process recovers in place; where they never do (GPU,
+  TPU), a step ends the process at once when the new epoch left out a member of its own: it waits
+  for a process that is gone.
 
 ``Watchdog.judge`` is that judgement, pure (the clock and what the agent said are its arguments);
 the thread only reads the record, calls it, and acts. It sleeps until the nearest moment anything
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from remesh.elastic.agent_client import AgentLink, Assignment
+from remesh.elastic.exits import Why
 
 __all__ = ["Blocked", "Verdict", "Watchdog", "What"]
 
@@ -44,14 +48,24 @@ class Blocked:
     what: What
 
 
+# Why blocking work that outlived its grace ends the process, by what it was.
+_STUCK: dict[What, Why] = {
+    "step": Why.STEP_STUCK,
+    "joining": Why.JOIN_STUCK,
+    "leaving": Why.LEAVE_STUCK,
+    "finishing": Why.FINISH_STUCK,
+}
+
+
 @dataclass(frozen=True)
 class Verdict:
     """What the watchdog does now: report a stall (blocked this long), end the process (for this
-    reason), and when to look again at the latest (seconds from now)."""
+    reason, ``why`` its code), and when to look again at the latest (seconds from now)."""
 
     stall_s: float | None = None
     exit: str | None = None
     wait_s: float = 0.0
+    why: Why | None = None
 
 
 class Watchdog:
@@ -59,7 +73,9 @@ class Watchdog:
 
     ``step_grace_s`` is the grace of a step and of leaving an epoch (a step of it may still be
     running), ``join_grace_s`` that of joining and finishing; None: never ends the process for it.
-    ``steps_done()`` is what a stall report names; ``on_stuck(reason)`` ends the process."""
+    ``collectives_end``: a collective waiting for a dead peer fails by itself on this platform (CPU),
+    so a step is given its grace even when the new epoch left out a member of its epoch.
+    ``steps_done()`` is what a stall report names; ``on_stuck(why, reason)`` ends the process."""
 
     def __init__(
         self,
@@ -69,10 +85,12 @@ class Watchdog:
         step_grace_s: float | None,
         join_grace_s: float | None,
         steps_done: Callable[[], int],
-        on_stuck: Callable[[str], object],
+        on_stuck: Callable[[Why, str], object],
+        collectives_end: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.agent = agent
+        self.collectives_end = collectives_end
         self.stall_after_s = stall_after_s
         self.graces: dict[What, float | None] = {
             "step": step_grace_s,
@@ -123,19 +141,21 @@ class Watchdog:
                 due.append(blocked.since + self.stall_after_s)
         if latest_epoch > blocked.epoch:
             stuck = now - max(blocked.since, changed_at)
-            if blocked.what == "step" and lost_a_member:
-                # The step needs a process the new epoch left out: it cannot end, and the grace
-                # would only be waited out.
+            if blocked.what == "step" and lost_a_member and not self.collectives_end:
+                # The step needs a process the new epoch left out, and nothing ends a collective
+                # on this platform: the grace would only be waited out.
                 return Verdict(
                     stall_s,
                     f"{blocked.what} of epoch {blocked.epoch} still blocked when epoch {latest_epoch} left "
-                    "out a member of it: it waits for a process that is gone",
+                    "out a member of it: it waits in a collective for a process that is gone",
+                    why=Why.COLLECTIVE_CANNOT_END,
                 )
             if stuck >= blocked.grace:
                 return Verdict(
                     stall_s,
                     f"{blocked.what} of epoch {blocked.epoch} still blocked {stuck:.2f}s after epoch "
                     f"{latest_epoch} was announced: it waits for a dead peer",
+                    why=_STUCK[blocked.what],
                 )
             due.append(now + blocked.grace - stuck)
         # Blocking work that ends and begins again is due later than what is due now.
@@ -168,6 +188,7 @@ class Watchdog:
             lost = (
                 blocked is not None
                 and blocked.what == "step"
+                and not self.collectives_end
                 and seen.epoch > blocked.epoch
                 and agent.lost_a_member(blocked.epoch, seen)
             )
@@ -182,7 +203,8 @@ class Watchdog:
                     daemon=True,
                 ).start()
             if verdict.exit is not None:
-                self.on_stuck(verdict.exit)
+                assert verdict.why is not None
+                self.on_stuck(verdict.why, verdict.exit)
                 return
             # A new assignment wakes it; so does ``stop`` with the agent link's close.
             agent.wait_until(functools.partial(self._moved_on, seen), max(verdict.wait_s, 0.005))

@@ -616,6 +616,11 @@ class Checkpoints(abc.ABC):
             return False
         return True
 
+    def extra_of(self, step: int, trusted: Trusted = None) -> dict[str, Any]:
+        """The ``extra`` committed with step ``step`` (its marker's; empty where it is no candidate)."""
+        marker = self._exact(step, trusted)
+        return {} if marker is None else dict(marker.extra)
+
     def _exact(self, step: int, trusted: Trusted) -> _Marker | None:
         """The marker of committed step ``step``, if it is a candidate (``_candidates``)."""
         return next((m for m in self._candidates(step, trusted) if m.step == step), None)
