@@ -191,7 +191,7 @@ def test_a_loop_blocked_in_its_own_code_past_the_grace_names_step_stuck_and_the_
     # timeout (2 s), and the step gets that and a second more to do so.
     assert ended - agent.announced_at >= 3.0
     told = ExitNote.from_json(note.read_text())
-    assert told.why is Why.STEP_STUCK and told.exit_code == RESTART_EXIT_CODE
+    assert told.why == Why.STEP_STUCK and told.exit_code == RESTART_EXIT_CODE
     assert "step of epoch 1 still blocked" in told.reason and "epoch 2 was announced" in told.reason
     assert "input that blocks" in told.fix and "Policy.stuck_step_exit_s" in told.fix
     line = next(line for line in out.splitlines() if "in-process recovery impossible" in line)
@@ -209,5 +209,5 @@ def test_a_failure_no_new_epoch_follows_names_no_new_epoch(tmp_path: Path) -> No
         server.stop(None)
     assert proc.returncode == RESTART_EXIT_CODE, out[-4000:]
     told = ExitNote.from_json(note.read_text())
-    assert told.why is Why.NO_NEW_EPOCH and "no new epoch within 1s" in told.reason
+    assert told.why == Why.NO_NEW_EPOCH and "no new epoch within 1s" in told.reason
     assert "remesh status" in told.fix

@@ -13,7 +13,7 @@ import enum
 import signal
 from dataclasses import dataclass, replace
 
-from remesh.v1.contract import ADDRESS_IN_USE_EXIT_CODE, RESTART_EXIT_CODE, STATE_LOST_EXIT_CODE
+from remesh.v1.contract import ADDRESS_IN_USE_EXIT_CODE, RESTART_EXIT_CODE, STATE_LOST_EXIT_CODE, ExitNote
 
 __all__ = [
     "LEASE_FLOOR_S",
@@ -65,6 +65,8 @@ class TrainerExit:
     returncode: int
     stopped: bool  # the agent stopped it on purpose
     hung: bool = False  # the agent killed it for making no progress
+    # What it said of why it gave up on recovering in place, where it left a note (Env.EXIT_NOTE).
+    note: ExitNote | None = None
 
     @property
     def cause(self) -> str:
@@ -206,7 +208,9 @@ def on_trainer_exit(
         if result.returncode == 0:
             return Decision(Do.MARK_FINISHED, "the trainer finished its run; it is not restarted")
         if result.returncode == RESTART_EXIT_CODE:
-            return Decision(Do.START_TRAINER, "it asked for a fresh process on the current topology")
+            return Decision(
+                Do.START_TRAINER, f"it asked for a fresh process on the current topology{_said(result)}"
+            )
         # A trainer that had not yet reported progress still counts as running the epoch it started
         # in: these two are charged to the current one.
         if result.returncode == ADDRESS_IN_USE_EXIT_CODE:
@@ -219,7 +223,9 @@ def on_trainer_exit(
         if result.returncode == STATE_LOST_EXIT_CODE:
             return Decision(
                 Do.REPORT_FAULT,
-                f"the trainer found no tier holding any step of the job (its survivors were at step {restore_step})",
+                result.note.reason
+                if result.note is not None
+                else f"the trainer found no tier holding any step of the job (its survivors were at step {restore_step})",
                 Fault.STATE_LOST,
                 epoch=max(result.epoch, current_epoch),
             )
@@ -240,6 +246,11 @@ def on_trainer_exit(
     return Decision(
         Do.REPORT_FAULT, f"exit code {result.returncode}", Fault.TRAINER_EXITED, epoch=result.epoch
     )
+
+
+def _said(result: TrainerExit) -> str:
+    """What the trainer's exit note says, as the end of a reason (nothing where it left none)."""
+    return "" if result.note is None else f" ({result.note.why}: {result.note.reason})"
 
 
 def on_fault_reply(*, member_dead: bool, fault_epoch: int, current_epoch: int) -> Decision:

@@ -135,6 +135,9 @@ class Agent:
         # This agent process's own id: its trainers keep host-memory snapshots under it, and drop
         # those they find under another (remesh.elastic.snapshots.claim).
         self.session_id = uuid.uuid4().hex
+        # Where its trainer processes leave their exit notes (Env.EXIT_NOTE): only this user may
+        # enter it, and it goes with the agent.
+        self._notes_dir = tempfile.mkdtemp(prefix="remesh-agent-notes-")
         self.log = log.bind(host=settings.host_id)
         self.incarnation = 0
         # How long the coordinator waits before it declares a silent host dead, as its last
@@ -276,6 +279,7 @@ class Agent:
             await self.link.close(rotate=False)
             if private_dir is not None:
                 shutil.rmtree(private_dir, ignore_errors=True)
+            shutil.rmtree(self._notes_dir, ignore_errors=True)
 
     def _bind_local(self, server: grpc.aio.Server) -> str | None:
         """Bind the trainer's local API; returns the private directory made for it (None for TCP).
@@ -694,6 +698,8 @@ class Agent:
             **assignment,
             Env.LOG_FORMAT: "json" if self.settings.log_json else "console",
             Env.AGENT_SESSION: self.session_id,
+            # Where the process says why, should it leave for a fresh one (read when it exits).
+            Env.EXIT_NOTE: os.path.join(self._notes_dir, f"trainer-{slot}.exit"),
         }
 
     async def _spawn(self, topology: pb.Topology, rank: int, role: Role) -> TrainerProcess:
@@ -799,12 +805,14 @@ class Agent:
         self.metrics.trainer_exited(result.cause, active=self.trainer is trainer)
         if self.trainer is not trainer:
             return
+        said = {} if result.note is None else {"why": result.note.why, "reason": result.note.reason}
         self.log.info(
             "trainer exited",
             code=result.returncode,
             epoch=result.epoch,
             stopped=result.stopped,
             hung=result.hung,
+            **said,
             # Not stopped by the agent: a failure, which the recovery producing the next epoch handles.
             **(
                 {}

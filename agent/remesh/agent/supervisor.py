@@ -30,6 +30,7 @@ from pathlib import Path
 import structlog
 
 from remesh.agent.core import TrainerExit
+from remesh.v1.contract import Env, ExitNote
 
 __all__ = ["Role", "Run", "TrainerProcess", "nice_session", "niced_and_bound"]
 
@@ -115,6 +116,8 @@ class TrainerProcess:
         self.started_at = 0.0
         self._stopping = False
         self.hung = False
+        # The exit note it left, once read (a 1-tuple: read, and perhaps None).
+        self._note: tuple[ExitNote | None] | None = None
 
     async def start(self) -> None:
         self.started_at = time.monotonic()
@@ -184,7 +187,28 @@ class TrainerProcess:
     async def wait(self) -> TrainerExit:
         assert self.process is not None
         code = await self.process.wait()
-        return TrainerExit(self.epoch, code, self._stopping, self.hung)
+        if self._note is None:
+            self._note = (self._take_note(),)
+        return TrainerExit(self.epoch, code, self._stopping, self.hung, note=self._note[0])
+
+    def _take_note(self) -> ExitNote | None:
+        """The exit note the process left (``Env.EXIT_NOTE``), read once and deleted: None where it left
+        none (it exited otherwise, or JAX ended it) or one that is not whole (it died writing it)."""
+        path = self.env.get(Env.EXIT_NOTE)
+        if not path:
+            return None
+        try:
+            text = Path(path).read_text()
+        except OSError:
+            return None
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        try:
+            return ExitNote.from_json(text)
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("the trainer's exit note is not whole; ignored", pid=self.pid, error=str(exc))
+            return None
 
     async def stop(self, grace_s: float) -> None:
         """SIGTERM, then SIGKILL after ``grace_s``."""

@@ -27,15 +27,15 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import json
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+
+from remesh.v1.contract import Env, ExitNote
 
 __all__ = ["EXIT_NOTE_ENV", "FIXES", "ExitNote", "Why", "write_note"]
 
 # The file an agent asks its trainer process to leave its exit note in (one per process it starts).
-EXIT_NOTE_ENV = "REMESH_EXIT_NOTE"
+EXIT_NOTE_ENV = Env.EXIT_NOTE
 
 
 class Why(enum.StrEnum):
@@ -125,25 +125,6 @@ FIXES: Mapping[Why, str] = {
         "finds the others out of step. The warm standby takes over; nothing to fix"
     ),
 }
-
-
-@dataclass(frozen=True)
-class ExitNote:
-    """What a process leaving for a fresh one tells its agent: the code, the reason in full, the fix
-    and its exit code."""
-
-    why: Why
-    reason: str
-    fix: str
-    exit_code: int
-
-    def to_json(self) -> str:
-        return json.dumps({**asdict(self), "why": self.why.value})
-
-    @classmethod
-    def from_json(cls, text: str) -> ExitNote:
-        raw = json.loads(text)
-        return cls(Why(raw["why"]), str(raw["reason"]), str(raw["fix"]), int(raw["exit_code"]))
 
 
 def write_note(note: ExitNote, env: Mapping[str, str] | None = None) -> bool:

@@ -2,7 +2,8 @@
 
 Each side imports these from here; none spells them out itself:
 
-- the **exit codes** a trainer process uses to tell its agent why it stopped;
+- the **exit codes** a trainer process uses to tell its agent why it stopped, and the **exit note**
+  (``ExitNote``) in which it says so in words;
 - the **environment** the agent gives each trainer process it starts (its assignment for the epoch it
   was started on; the local API tells it about later ones);
 - the **trailing metadata keys** with which the coordinator explains a refusal;
@@ -11,6 +12,7 @@ Each side imports these from here; none spells them out itself:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -26,6 +28,7 @@ __all__ = [
     "RESTART_EXIT_CODE",
     "STATE_LOST_EXIT_CODE",
     "Env",
+    "ExitNote",
     "TrainerAssignment",
     "rank_of",
     "recovery_id",
@@ -76,6 +79,32 @@ class Env:
     # A fresh id for each agent process: host-memory state found under another one's was written
     # before this agent started (an earlier run of the job on this host), never by this run.
     AGENT_SESSION = "REMESH_AGENT_SESSION"
+    # A file of the agent's, one per trainer process, where the process leaves an ``ExitNote`` before
+    # it exits asking for a fresh process (or for the job to halt): why, in words a user can act on.
+    EXIT_NOTE = "REMESH_EXIT_NOTE"
+
+
+@dataclass(frozen=True)
+class ExitNote:
+    """What a trainer process that gives up on recovering in place tells its agent (``Env.EXIT_NOTE``):
+    a short code (``remesh.elastic.exits.Why``), the reason in full, the fix, and its exit code. The
+    agent logs it and puts the reason into what it reports; it never decides on the code."""
+
+    why: str
+    reason: str
+    fix: str
+    exit_code: int
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"why": str(self.why), "reason": self.reason, "fix": self.fix, "exit_code": self.exit_code}
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> ExitNote:
+        """ValueError (or KeyError, TypeError) where ``text`` is not a whole note."""
+        raw = json.loads(text)
+        return cls(str(raw["why"]), str(raw["reason"]), str(raw["fix"]), int(raw["exit_code"]))
 
 
 @dataclass(frozen=True)

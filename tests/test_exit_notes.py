@@ -1,0 +1,72 @@
+"""A trainer that gives up on recovering in place says why (its exit note, ``Env.EXIT_NOTE``), and its
+agent puts that into what it logs and reports: pure decisions first, then a real agent and
+coordinator whose trainer leaves a note and exits."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from remesh.agent.core import AgentState, TrainerExit, on_trainer_exit
+from remesh.v1 import coordinator_pb2 as pb
+from remesh.v1.contract import RESTART_EXIT_CODE, STATE_LOST_EXIT_CODE, ExitNote
+from tests.procs import Cluster, wait_for
+
+NOTE = ExitNote("step-stuck", "a step of epoch 3 still ran 2.1s after epoch 4", "keep the loop short", 75)
+
+
+def test_a_note_round_trips_and_a_broken_one_is_refused() -> None:
+    assert ExitNote.from_json(NOTE.to_json()) == NOTE
+    for broken in ("", "{", '{"why": "x"}', '{"why": "x", "reason": "r", "fix": "f", "exit_code": "n"}'):
+        with pytest.raises((ValueError, KeyError, TypeError)):
+            ExitNote.from_json(broken)
+
+
+def _exit(code: int, note: ExitNote | None) -> str:
+    started = AgentState().trainer_started()
+    decision = on_trainer_exit(
+        started, TrainerExit(3, code, False, note=note), current_epoch=3, restore_step=17, abort_delay_s=0.5
+    )
+    return decision.reason
+
+
+def test_a_restart_and_a_lost_state_carry_the_trainers_reason() -> None:
+    assert NOTE.reason in _exit(RESTART_EXIT_CODE, NOTE) and "step-stuck" in _exit(RESTART_EXIT_CODE, NOTE)
+    assert _exit(RESTART_EXIT_CODE, None) == "it asked for a fresh process on the current topology"
+    lost = ExitNote("data-position-lost", "the input positions of step 40 cannot be carried", "see docs", 65)
+    assert _exit(STATE_LOST_EXIT_CODE, lost) == lost.reason
+    assert "no tier holding any step" in _exit(STATE_LOST_EXIT_CODE, None)
+
+
+# A trainer that leaves a note saying its input positions are lost, and exits as the session does.
+LOSES_ITS_INPUT = textwrap.dedent(
+    """
+    import os, sys
+    from remesh.v1.contract import Env, ExitNote, STATE_LOST_EXIT_CODE
+    note = ExitNote("data-position-lost", "the input positions of step 40 cannot be carried to 2 hosts",
+                    "give IteratorData a rebuild_at", STATE_LOST_EXIT_CODE)
+    with open(os.environ[Env.EXIT_NOTE], "w") as f:
+        f.write(note.to_json())
+    sys.exit(STATE_LOST_EXIT_CODE)
+    """
+)
+
+
+@pytest.mark.integration
+def test_the_agent_logs_and_reports_the_reason_its_trainer_left(cluster: Cluster, tmp_path: Path) -> None:
+    script = tmp_path / "trainer.py"
+    script.write_text(LOSES_ITS_INPUT)
+    cluster.start_coordinator("--world-size", "1")
+    agent = cluster.start_agent("host-0", trainer=[sys.executable, str(script)], extra=("--no-warm-standby",))
+
+    def halted() -> pb.Event | None:
+        return next((e for e in cluster.events() if e.type == pb.EVENT_TYPE_JOB_HALTED), None)
+
+    wait_for(halted, 30, "the job to halt")
+    fault = next(e for e in cluster.events() if e.type == pb.EVENT_TYPE_FAULT_REPORTED)
+    assert "cannot be carried to 2 hosts" in fault.reason, fault
+    log = agent.log_path.read_text()
+    assert "why=data-position-lost" in log or '"why": "data-position-lost"' in log, log[-2000:]
