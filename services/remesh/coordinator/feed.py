@@ -37,11 +37,13 @@ class Subscription:
         self._pending = 0
         self._failed = False
 
-    def _offer(self, batch: list[Event]) -> None:
+    def offer(self, batch: list[Event]) -> None:
+        """New events for this follower (the feed's reader calls it); one batch too many for its
+        limit ends the subscription instead."""
         if self._failed:
             return
         if self._pending + len(batch) > self._limit:
-            self._fail(
+            self.fail(
                 ResourceExhausted(
                     f"this follower fell {self._pending + len(batch)} events behind (the limit is "
                     f"{self._limit}): read faster, or follow again from the last event id you got (--after)"
@@ -51,7 +53,8 @@ class Subscription:
         self._pending += len(batch)
         self._queue.put_nowait(batch)
 
-    def _fail(self, error: CoordinatorError) -> None:
+    def fail(self, error: CoordinatorError) -> None:
+        """End the subscription with ``error`` (Redis lost, the follower too far behind)."""
         if not self._failed:
             self._failed = True
             self._queue.put_nowait(error)
@@ -107,8 +110,8 @@ class EventFeed:
             async for batch in self._store.follow_events(after):
                 if batch:
                     for sub in list(self._subscribers):
-                        sub._offer(batch)
+                        sub.offer(batch)
         except StoreUnavailable as exc:
             log.warning("event feed lost Redis; its followers are told", error=str(exc))
             for sub in list(self._subscribers):
-                sub._fail(exc)
+                sub.fail(exc)
