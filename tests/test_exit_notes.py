@@ -4,6 +4,8 @@ coordinator whose trainer leaves a note and exits."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -70,3 +72,73 @@ def test_the_agent_logs_and_reports_the_reason_its_trainer_left(cluster: Cluster
     assert "cannot be carried to 2 hosts" in fault.reason, fault
     log = agent.log_path.read_text()
     assert "why=data-position-lost" in log or '"why": "data-position-lost"' in log, log[-2000:]
+
+
+# A user's script with a bug every host shares: its init_state hands numpy a traced array (the
+# session traces init_state with jax.eval_shape), which raises on every host it runs on.
+BUGGY = textwrap.dedent(
+    """
+    import jax.numpy as jnp
+    import numpy as np
+    from remesh.elastic import Session
+
+    def init_state():
+        return {"w": np.asarray(jnp.zeros((4,)))}
+
+    session = Session(init_state=init_state, devices_per_host=2)
+    for epoch in session.epochs(5):
+        with epoch:
+            state = epoch.state
+            for step in epoch.steps():
+                epoch.done(state, {})
+    """
+)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+def test_a_bug_in_the_training_script_halts_the_job_within_its_budget(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The same error on a fresh host, recovery after recovery with no step completed, follows the job
+    and not a host: after the budget of recoveries the operator set, the job halts with the script's
+    own error, in the event and in ``remesh topology``, having burned no more spares than that."""
+    script = tmp_path / "buggy.py"
+    script.write_text(BUGGY)
+    budget = 1
+    cluster.start_coordinator("--world-size", "1", "--max-repeated-crashes", str(budget))
+    cluster.start_agent("host-0", trainer=[sys.executable, str(script)], extra=("--no-warm-standby",))
+    for i in range(2):
+        cluster.start_agent(
+            f"spare-{i}", spare=True, trainer=[sys.executable, str(script)], extra=("--no-warm-standby",)
+        )
+
+    def halted() -> pb.Event | None:
+        return next((e for e in cluster.events() if e.type == pb.EVENT_TYPE_JOB_HALTED), None)
+
+    halt = wait_for(halted, 200, "the job to halt")
+    assert "TracerArrayConversionError" in halt.reason and "buggy.py:7 in init_state" in halt.reason, halt
+    assert (
+        f"{budget + 1} trainer failures in a row" in halt.reason
+        and "the job completed no step" in halt.reason
+    )
+    events = cluster.events()
+    recoveries = [
+        e
+        for e in events
+        if e.type == pb.EVENT_TYPE_TOPOLOGY_CHANGED and e.details["decision"] in ("replace", "shrink")
+    ]
+    assert len(recoveries) == budget, [e.reason for e in recoveries]
+    dead = [e for e in events if e.type == pb.EVENT_TYPE_MEMBER_DEAD]
+    assert len(dead) == budget + 1, [e.reason for e in dead]
+    # Each charged failure carried the script's own error, not only an exit code.
+    assert all("TracerArrayConversionError" in e.reason for e in dead), [e.reason for e in dead]
+    shown = subprocess.run(
+        [sys.executable, "-m", "remesh.cli", "topology", "--coordinator", cluster.address],
+        env={**os.environ, **cluster.client_env(), "COLUMNS": "400"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert "HALTED" in shown.stdout and "TracerArrayConversionError" in shown.stdout, shown.stdout

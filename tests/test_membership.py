@@ -453,6 +453,7 @@ def test_fault_of_a_healthy_epoch_is_charged_to_the_host() -> None:
         "epoch": "3",
         "exit_code": "134",
         "detail": "segfault",
+        "charged": "true",
     }
     assert dead.member is not None and dead.member.state is DEAD and "segfault" in dead.reason
     assert out.reason == reported.reason == dead.reason

@@ -12,7 +12,7 @@ from remesh.coordinator import observations
 from remesh.coordinator.detector import Stall
 from remesh.coordinator.errors import InvalidRequest, Rejected
 from remesh.coordinator.frozen_map import FrozenMap
-from remesh.coordinator.model import ClusterState, Event, EventType, Topology
+from remesh.coordinator.model import ClusterState, Event, EventType, FaultDetails, Topology
 from remesh.coordinator.observations import (
     CollectiveFailureReport,
     CollectiveFailures,
@@ -222,6 +222,53 @@ def test_re_forms_that_complete_no_step_are_counted_in_a_row() -> None:
         counts.append(seen.futile_reforms)
     assert counts == [0, 0, 1, 2, 0]
     assert Kind.REFORM.value == observations.REFORM_DECISION  # the event log's word for it
+
+
+def fault(epoch: int, host: str, detail: str, *, charged: bool = True, kind: str = "trainer_exited") -> Event:
+    details = FaultDetails(kind, epoch, 1, detail, charged=charged).encode()
+    return Event(EventType.FAULT_REPORTED, NOW, epoch, "", host_id=host, incarnation=1, details=details)
+
+
+def test_trainer_failures_of_one_error_with_no_step_between_are_a_crash_loop() -> None:
+    seen = EMPTY
+    rows = []
+    for event in (
+        fault(1, "a1", "bug"),
+        fault(1, "a2", "bug"),  # the epoch's first failure counts, the rest are the same recovery
+        new_epoch(2, Kind.REPLACE.value, -1),
+        fault(2, "s0", "bug"),
+        new_epoch(3, Kind.REPLACE.value, -1),
+        fault(3, "a2", "bug", charged=False),  # collateral damage counts for nothing
+        fault(3, "a2", "bug", kind="address_in_use"),  # nor does a fault that is no trainer's own
+        new_epoch(4, Kind.GROW.value, -1),  # no failure: the row stands while no step is completed
+        fault(4, "s1", "bug"),
+        new_epoch(5, Kind.REPLACE.value, -1),
+        fault(5, "a1", "another bug"),  # another error starts a row of its own
+        new_epoch(6, Kind.REPLACE.value, -1),
+        new_epoch(7, Kind.GROW.value, 3),  # a step completed: the row ends
+    ):
+        seen = observations.recorded(seen, event)
+        rows.append(None if seen.crash_loop is None else seen.crash_loop.hosts)
+    assert rows == [
+        None,
+        None,
+        ("a1",),
+        ("a1",),
+        ("a1", "s0"),
+        ("a1", "s0"),
+        ("a1", "s0"),
+        ("a1", "s0"),
+        ("a1", "s0"),
+        ("a1", "s0", "s1"),
+        ("a1", "s0", "s1"),
+        ("a1",),
+        None,
+    ]
+    assert seen.crash is None
+    # The same event again (noted before its commit's plan, recorded after it) changes nothing.
+    once = observations.crashed(EMPTY, fault(1, "a1", "bug"))
+    assert observations.crashed(once, fault(1, "a1", "bug")) is once
+    assert once.crash is not None and once.crash.error == "trainer_exited: bug"
 
 
 def test_a_recorded_missing_tier_is_noted_for_its_incarnation() -> None:

@@ -27,7 +27,7 @@ from remesh.coordinator.model import (
     TopologyMember,
     replay,
 )
-from remesh.coordinator.observations import CollectiveFailures, Observations, StateLost
+from remesh.coordinator.observations import CollectiveFailures, Crash, CrashLoop, Observations, StateLost
 from remesh.coordinator.planner import RULES, Decision, Kind, Situation, natural_key, plan, plan_events
 from remesh.coordinator.settings import PlannerSettings
 
@@ -724,6 +724,51 @@ RULE_CASES = {
         "state_lost", formed(FOUR, epoch=3), None, seen(lost_state=StateLost(2, "a1", "x"))
     ),
     "state_lost: nobody lost state": RuleCase("state_lost", formed(FOUR), None),
+    "crash_loop: the same error again, past the budget, with no step since": RuleCase(
+        "crash_loop",
+        formed(FOUR, epoch=4, states={"a1": DEAD}, others=spares("s0"), restore_step=7),
+        Kind.HALT,
+        seen(
+            STEPS_41,
+            crash=Crash(4, "a1", "trainer_exited: exit code 1 (trainer-error: ValueError: bad)"),
+            crash_loop=CrashLoop(
+                "trainer_exited: exit code 1 (trainer-error: ValueError: bad)", 41, ("a2", "s1")
+            ),
+        ),
+        reason_has=("3 trainer failures in a row", "a2, s1, a1", "ValueError: bad", "follows the job"),
+    ),
+    "crash_loop: within the budget": RuleCase(
+        "crash_loop",
+        formed(FOUR, epoch=4, states={"a1": DEAD}, others=spares("s0")),
+        None,
+        seen(STEPS_41, crash=Crash(4, "a1", "e"), crash_loop=CrashLoop("e", 41, ("a2",))),
+    ),
+    "crash_loop: a step completed since the row began": RuleCase(
+        "crash_loop",
+        formed(FOUR, epoch=4, states={"a1": DEAD}, others=spares("s0")),
+        None,
+        seen(STEPS_41, crash=Crash(4, "a1", "e"), crash_loop=CrashLoop("e", 30, ("a2", "s1"))),
+    ),
+    "crash_loop: another error": RuleCase(
+        "crash_loop",
+        formed(FOUR, epoch=4, states={"a1": DEAD}, others=spares("s0")),
+        None,
+        seen(STEPS_41, crash=Crash(4, "a1", "other"), crash_loop=CrashLoop("e", 41, ("a2", "s1"))),
+    ),
+    "crash_loop: a crash of an older epoch": RuleCase(
+        "crash_loop",
+        formed(FOUR, epoch=4, states={"a1": DEAD}, others=spares("s0")),
+        None,
+        seen(STEPS_41, crash=Crash(3, "a1", "e"), crash_loop=CrashLoop("e", 41, ("a2", "s1"))),
+    ),
+    "crash_loop: a budget of none halts at the first failure": RuleCase(
+        "crash_loop",
+        formed(FOUR, epoch=4, states={"a1": DEAD}, others=spares("s0")),
+        Kind.HALT,
+        seen(STEPS_41, crash=Crash(4, "a1", "e")),
+        settings=replace(S(), max_repeated_crashes=0),
+        reason_has=("1 trainer failure in a row", "on a1"),
+    ),
     "form: below the world size": RuleCase(
         "form", unformed(*actives("a0", "a1", "a2")), Kind.NONE, reason_has=("3 of 4",)
     ),
@@ -847,6 +892,7 @@ def test_the_rules_are_tried_in_the_order_of_their_precedence() -> None:
         "halted",
         "finished",
         "state_lost",
+        "crash_loop",
         "form",
         "readdress",
         "reform",

@@ -10,6 +10,7 @@ Nothing here does I/O or knows the wire format, so every rule is tested on its o
 from __future__ import annotations
 
 import enum
+import re
 import signal
 from dataclasses import dataclass, replace
 
@@ -244,13 +245,26 @@ def on_trainer_exit(
     if result.hung:
         return Decision(Do.REPORT_FAULT, "no step progress", Fault.TRAINER_HUNG, epoch=result.epoch)
     return Decision(
-        Do.REPORT_FAULT, f"exit code {result.returncode}", Fault.TRAINER_EXITED, epoch=result.epoch
+        Do.REPORT_FAULT,
+        f"exit code {result.returncode}{_said(result)}",
+        Fault.TRAINER_EXITED,
+        epoch=result.epoch,
     )
 
 
+# A fault report's detail is one plain line the coordinator accepts (it refuses control characters,
+# and text past 1,024 characters).
+_NOTE_CHARS = 800
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]+")
+
+
 def _said(result: TrainerExit) -> str:
-    """What the trainer's exit note says, as the end of a reason (nothing where it left none)."""
-    return "" if result.note is None else f" ({result.note.why}: {result.note.reason})"
+    """What the trainer's exit note says, as the end of a reason (nothing where it left none): one
+    plain line, cut short where long."""
+    if result.note is None:
+        return ""
+    said = _CONTROL.sub(" ", f" ({result.note.why}: {result.note.reason})")
+    return said if len(said) <= _NOTE_CHARS else said[: _NOTE_CHARS - 2] + "…)"
 
 
 def on_fault_reply(*, member_dead: bool, fault_epoch: int, current_epoch: int) -> Decision:

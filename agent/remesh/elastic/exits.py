@@ -26,13 +26,18 @@ Two cases are known, and its agent tells them apart by the new epoch:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import os
+import re
+import sys
+import traceback
 from collections.abc import Mapping
+from types import TracebackType
 
 from remesh.v1.contract import Env, ExitNote
 
-__all__ = ["EXIT_NOTE_ENV", "FIXES", "ExitNote", "Why", "write_note"]
+__all__ = ["EXIT_NOTE_ENV", "FIXES", "ExitNote", "Why", "describe", "note_uncaught", "one_line", "write_note"]
 
 # The file an agent asks its trainer process to leave its exit note in (one per process it starts).
 EXIT_NOTE_ENV = Env.EXIT_NOTE
@@ -72,6 +77,10 @@ class Why(enum.StrEnum):
     # A peer died in the middle of a collective, and gloo ended this survivor (SIGABRT) when the
     # survivors came out of step. Never written by a trainer: for the agent to record.
     COLLECTIVE_TORN = "collective-torn"
+    # An exception escaped the training script (written by the hook ``note_uncaught`` installs): no
+    # fresh process can help; the coordinator halts the job when it comes back recovery after
+    # recovery (``PlannerSettings.max_repeated_crashes``).
+    TRAINER_ERROR = "trainer-error"
 
 
 FIXES: Mapping[Why, str] = {
@@ -124,7 +133,74 @@ FIXES: Mapping[Why, str] = {
         "the dead peer left a collective half done, and the CPU collectives (gloo) end a survivor that "
         "finds the others out of step. The warm standby takes over; nothing to fix"
     ),
+    Why.TRAINER_ERROR: (
+        "the training script raised an exception (the reason names it and the line): fix the script. "
+        "A host taking over fails the same way; after `remesh coordinator --max-repeated-crashes` "
+        "recoveries in a row with no step completed, the job halts with this error"
+    ),
 }
+
+# A reason is one line of at most this many characters: it travels in the agent's fault report,
+# whose text the coordinator bounds (1,024) and refuses with control characters in it.
+REASON_CHARS = 600
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]+")
+
+
+def one_line(text: str, limit: int = REASON_CHARS) -> str:
+    """``text`` as one plain line (control characters, newlines included, become a space) of at most
+    ``limit`` characters."""
+    line = _CONTROL.sub(" ", text).strip()
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def describe(exc: BaseException) -> str:
+    """An exception in one line a user can act on: its type, its message, and the line of the
+    training script it came from (the innermost frame outside installed packages and remesh)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    ours = [f for f in frames if not _is_library(f.filename)] or frames
+    where = (
+        f" (at {os.path.basename(ours[-1].filename)}:{ours[-1].lineno} in {ours[-1].name})" if ours else ""
+    )
+    message = str(exc).strip().splitlines()
+    first = message[0] if message else ""
+    return one_line(f"{type(exc).__name__}: {first}{where}" if first else f"{type(exc).__name__}{where}")
+
+
+def _is_library(filename: str) -> bool:
+    return (
+        "site-packages" in filename
+        or "dist-packages" in filename
+        or filename.startswith(_REMESH_DIR)
+        or filename.startswith("<")
+    )
+
+
+# The remesh package's own directory (its frames are not the training script's).
+_REMESH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_hooked = False
+
+
+def note_uncaught(env: Mapping[str, str] | None = None) -> bool:
+    """Leave an exit note (``Why.TRAINER_ERROR``) when an exception escapes the main thread, then
+    let the previous hook print it as before; so the agent reports the script's own error, and the
+    coordinator can tell a bug that follows the job from a host that failed. Installed once, and
+    only where the agent asked for notes. Returns whether the hook is in place."""
+    global _hooked
+    if _hooked:
+        return True
+    if not (os.environ if env is None else env).get(EXIT_NOTE_ENV):
+        return False
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        if not isinstance(exc, KeyboardInterrupt):
+            with contextlib.suppress(Exception):
+                write_note(ExitNote(Why.TRAINER_ERROR, describe(exc), FIXES[Why.TRAINER_ERROR], 1), env)
+        previous(kind, exc, tb)
+
+    sys.excepthook = hook
+    _hooked = True
+    return True
 
 
 def write_note(note: ExitNote, env: Mapping[str, str] | None = None) -> bool:
@@ -134,6 +210,7 @@ def write_note(note: ExitNote, env: Mapping[str, str] | None = None) -> bool:
     path = (os.environ if env is None else env).get(EXIT_NOTE_ENV)
     if not path:
         return False
+    note = dataclasses.replace(note, reason=one_line(note.reason))
     tmp = f"{path}.tmp"
     try:
         with open(tmp, "w") as f:

@@ -57,7 +57,7 @@ from remesh.elastic.errors import (
     RestartProcess,
     StateLost,
 )
-from remesh.elastic.exits import FIXES, ExitNote, Why, write_note
+from remesh.elastic.exits import FIXES, ExitNote, Why, note_uncaught, write_note
 from remesh.elastic.faults import FailOnce, Faults
 from remesh.elastic.input_positions import InputPositions
 from remesh.elastic.policy import Policy
@@ -125,6 +125,9 @@ class Session:
         layout: Layout | None = None,
         faults: Faults | None = None,
     ) -> None:
+        # An exception that escapes the script from here on leaves an exit note naming it: the
+        # coordinator tells a bug that fails on every host from a host that failed.
+        note_uncaught()
         policy = self.policy = policy or Policy()
         # "cpu", "gpu", "tpu": the platform the backend will be made for (none is made here).
         self.platform = configure_backend(

@@ -81,6 +81,13 @@ def add_parser(sub: Any) -> None:
         "--max-wait", type=float, default=30.0, help="seconds to wait below the minimum before halting"
     )
     p.add_argument(
+        "--max-repeated-crashes",
+        type=int,
+        default=PlannerSettings.max_repeated_crashes,
+        help="recoveries granted in a row to the same trainer error when none completes a step (a bug "
+        "in the script); the next such failure halts the job with the error (default %(default)s)",
+    )
+    p.add_argument(
         "--jax-port-base",
         type=int,
         default=os.environ.get("REMESH_JAX_PORT_BASE", str(PlannerSettings.jax_port_base)),
@@ -140,6 +147,7 @@ _FLAGS = {
     "min_world_size": "--min-world-size",
     "world_size_must_divide": "--must-divide",
     "max_wait_s": "--max-wait",
+    "max_repeated_crashes": "--max-repeated-crashes",
     "jax_port_base": "--jax-port-base",
     "jax_port_span": "--jax-port-span",
     "hosts": "--fleet-size",
@@ -177,6 +185,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         min_world_size=args.min_world_size,
         world_size_must_divide=args.must_divide,
         max_wait_s=args.max_wait,
+        max_repeated_crashes=args.max_repeated_crashes,
         jax_port_base=args.jax_port_base,
         jax_port_span=args.jax_port_span,
     ).covering(d)

@@ -452,7 +452,7 @@ def report_fault(
     else:
         reason = f"{kind.value}: {detail or f'exit code {exit_code}'}"
         dead = True
-    events = [_fault_event(now, state, host_id, incarnation, reason, details)]
+    events = [_fault_event(now, state, host_id, incarnation, reason, replace(details, charged=dead))]
     if dead:
         events += declare(now, state, host_id, incarnation, MemberState.DEAD, reason)
     return FaultOutcome(events, dead, reason)

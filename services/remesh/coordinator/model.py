@@ -71,6 +71,8 @@ class MemberState(enum.StrEnum):
 
 # Detail of a FAULT_REPORTED event: the epoch's JAX coordination address was taken ("true").
 ADDRESS_REFUSED = "address_refused"
+# Detail of a FAULT_REPORTED event: the host was declared dead for the failure ("true").
+CHARGED = "charged"
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,9 @@ class FaultDetails:
     detail: str
     # The report refused the epoch's JAX coordination address: the same members move to a new one.
     address_refused: bool = False
+    # The failure was charged to the host (declared dead for it), not taken for collateral damage:
+    # what ``observations`` counts towards a crash loop.
+    charged: bool = False
 
     def encode(self) -> dict[str, str]:
         details = {
@@ -94,6 +99,8 @@ class FaultDetails:
         }
         if self.address_refused:
             details[ADDRESS_REFUSED] = "true"
+        if self.charged:
+            details[CHARGED] = "true"
         return details
 
     @classmethod
@@ -104,6 +111,7 @@ class FaultDetails:
             exit_code=int(details.get("exit_code", "0")),
             detail=details.get("detail", ""),
             address_refused=details.get(ADDRESS_REFUSED) == "true",
+            charged=details.get(CHARGED) == "true",
         )
 
 

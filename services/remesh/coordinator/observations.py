@@ -36,22 +36,26 @@ from remesh.coordinator.membership import (
     current_member,
     of_running_epoch,
 )
-from remesh.coordinator.model import ClusterState, Event, EventType, MemberState
+from remesh.coordinator.model import ClusterState, Event, EventType, FaultDetails, MemberState
 
 __all__ = [
     "REFORM_DECISION",
     "CollectiveFailureReport",
     "CollectiveFailures",
+    "Crash",
+    "CrashLoop",
     "Observations",
     "Report",
     "StallReport",
     "StateLost",
     "TierMissingReport",
     "collective_failed",
+    "crashed",
     "final_step",
     "heard",
     "loaded",
     "recorded",
+    "repeats",
     "stalled",
     "state_lost",
 ]
@@ -59,6 +63,9 @@ __all__ = [
 # How a TOPOLOGY_CHANGED event records a re-form (details "decision": ``planner.Kind.REFORM``), in
 # the event log's words: the planner reads these observations, so they cannot import it.
 REFORM_DECISION = "reform"
+# The fault kinds of a trainer that failed on its own (``membership.FaultKind``'s values): what a
+# crash loop is made of.
+_TRAINER_FAULTS = frozenset({"trainer_exited", "trainer_hung"})
 
 
 @dataclass(frozen=True)
@@ -114,6 +121,31 @@ class StateLost:
 
 
 @dataclass(frozen=True)
+class Crash:
+    """A trainer failure in ``epoch`` charged to its host (declared dead for it): ``error`` is what
+    its agent reported (the exit code or the hang, and the trainer's own error where its exit note
+    gave one)."""
+
+    epoch: int
+    host_id: str
+    error: str
+
+
+@dataclass(frozen=True)
+class CrashLoop:
+    """Recoveries in a row from the same trainer error with no step completed between them: the
+    failure follows the job (a bug in the training script, a setting every host shares), not a host.
+    The planner grants ``PlannerSettings.max_repeated_crashes`` of them, then halts with the error."""
+
+    error: str
+    # The step the first recovery of the row restored: a later one that restores a newer step ends
+    # the row (the job made progress between two failures).
+    restore_step: int
+    # The host whose trainer failed, for each recovery of the row (a host again counts again).
+    hosts: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Observations:
     """What the planner and the detector read beside the stored state; see the module docstring."""
 
@@ -138,6 +170,11 @@ class Observations:
     # time), and the restore step of the last re-form (None: the last new epoch was no re-form).
     futile_reforms: int = 0
     reformed_at_step: int | None = None
+    # The first trainer failure charged to its host in the current epoch (None: none yet), and the
+    # recoveries in a row from the same error that completed no step (None: the last recovery was
+    # from something else, or the job made progress since).
+    crash: Crash | None = None
+    crash_loop: CrashLoop | None = None
     # The tiers recorded missing (TIER_MISSING) for each member: host -> (incarnation, tiers). What
     # bounds those events to one per member incarnation and tier.
     tiers_noted: FrozenMap[str, tuple[int, frozenset[str]]] = field(default_factory=FrozenMap)
@@ -296,6 +333,8 @@ def recorded(seen: Observations, event: Event) -> Observations:
     longer idle, and a forgotten one leaves nothing behind."""
     if event.type in (EventType.TOPOLOGY_CHANGED, EventType.JOB_HALTED):
         return _new_epoch(seen, event)
+    if event.type is EventType.FAULT_REPORTED:
+        return crashed(seen, event)
     if event.type is EventType.TIER_MISSING:
         noted = seen.tiers_noted_for(event.host_id, event.incarnation) | {event.details["tier"]}
         return replace(seen, tiers_noted=seen.tiers_noted.set(event.host_id, (event.incarnation, noted)))
@@ -318,11 +357,46 @@ def recorded(seen: Observations, event: Event) -> Observations:
     return seen
 
 
+def crashed(seen: Observations, event: Event) -> Observations:
+    """A fault report (a FAULT_REPORTED event): the epoch's first trainer failure charged to its host
+    is noted, for the crash loop its recovery extends or starts (``_new_epoch``). The same event
+    again changes nothing (the coordinator notes it before the plan of its own commit)."""
+    fault = FaultDetails.decode(event.details)
+    if not fault.charged or fault.kind not in _TRAINER_FAULTS:
+        return seen
+    if seen.crash is not None and seen.crash.epoch >= event.epoch:
+        return seen
+    error = f"{fault.kind}: {fault.detail or f'exit code {fault.exit_code}'}"
+    return replace(seen, crash=Crash(event.epoch, event.host_id, error))
+
+
+def repeats(loop: CrashLoop, crash: Crash, restore_step: int) -> bool:
+    """Whether a recovery from ``crash`` that restores ``restore_step`` extends ``loop``: the same
+    error, and no step completed since the row began."""
+    return loop.error == crash.error and restore_step <= loop.restore_step
+
+
+def _extended(loop: CrashLoop | None, crash: Crash, restore_step: int) -> CrashLoop:
+    """The crash loop after a recovery from ``crash`` that restores ``restore_step``."""
+    if loop is not None and repeats(loop, crash, restore_step):
+        return replace(loop, hosts=(*loop.hosts, crash.host_id))
+    return CrashLoop(crash.error, restore_step, (crash.host_id,))
+
+
 def _new_epoch(seen: Observations, event: Event) -> Observations:
     """A new topology (or the halt): its own steps, stalls and failures from now on. A re-form counts
     as futile after another one when no step was completed between them (its restore step did not
-    move on); any other new epoch ends the row."""
+    move on); any other new epoch ends the row. A recovery from a trainer failure extends the crash
+    loop of the same error, or starts one; a new epoch past the loop's restore step ends it."""
     topology = event.topology
+    crash, loop = seen.crash, seen.crash_loop
+    if crash is not None and crash.epoch >= event.epoch:
+        crash = None  # of an epoch this one does not replace (a late event)
+    if topology is not None and not topology.halted:
+        if crash is not None:
+            loop = _extended(loop, crash, topology.restore_step)
+        elif loop is not None and topology.restore_step > loop.restore_step:
+            loop = None
     failures = seen.collective_failures
     lost = seen.lost_state
     if event.details.get("decision") != REFORM_DECISION or topology is None:
@@ -339,4 +413,6 @@ def _new_epoch(seen: Observations, event: Event) -> Observations:
         lost_state=lost if lost is not None and lost.epoch >= event.epoch else None,
         futile_reforms=futile,
         reformed_at_step=at_step,
+        crash=seen.crash if seen.crash is not None and seen.crash.epoch >= event.epoch else None,
+        crash_loop=loop,
     )

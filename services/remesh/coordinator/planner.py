@@ -6,6 +6,9 @@ the first that applies decides:
 
 - NONE      the job halted or finished: nothing more, ever.
 - HALT      a member of the running epoch found no state to restore (``Observations.lost_state``).
+- HALT      a trainer failed with the error it failed with in each of the last
+            ``settings.max_repeated_crashes`` recoveries, none of which completed a step
+            (``Observations.crash_loop``): the failure follows the job, not a host.
 - FORM      no topology yet and enough eligible hosts: the first epoch (NONE until there are).
 - READDRESS nothing lost, but rank 0 found the epoch's JAX coordination port taken: the same
             members in a new epoch (whose port differs).
@@ -53,7 +56,7 @@ from remesh.coordinator.model import (
     TopologyMember,
     tally,
 )
-from remesh.coordinator.observations import REFORM_DECISION, Observations
+from remesh.coordinator.observations import REFORM_DECISION, Observations, repeats
 from remesh.coordinator.settings import PlannerSettings
 
 __all__ = ["RULES", "Decision", "Kind", "Situation", "natural_key", "plan", "plan_events"]
@@ -232,6 +235,29 @@ def state_lost(s: Situation) -> Decision | None:
         f"{topology.restore_step} (no host-memory snapshot, surviving replica or buddy copy, and no "
         f"readable committed checkpoint). Restart the job from a checkpoint you trust, or from "
         f"scratch on purpose; {lost.host_id} reported: {lost.detail}",
+    )
+
+
+def crash_loop(s: Situation) -> Decision | None:
+    """A member's trainer failed (charged to its host) with the same error as the trainers the last
+    ``max_repeated_crashes`` recoveries replaced, and none of them completed a step: a bug in the
+    training script, or a setting every host shares, fails wherever it runs. Replacing another host
+    would burn another spare and fail again: HALT, with the trainer's own error."""
+    crash, loop, topology = s.seen.crash, s.seen.crash_loop, s.state.topology
+    if crash is None or topology is None or crash.epoch != topology.epoch or crash.host_id not in s.lost:
+        return None
+    failures = (len(loop.hosts) if loop is not None and repeats(loop, crash, s.restore) else 0) + 1
+    if failures <= s.settings.max_repeated_crashes:
+        return None
+    hosts = (*loop.hosts, crash.host_id) if loop is not None and failures > 1 else (crash.host_id,)
+    since = "the job completed no step" if s.restore < 0 else f"no step completed after step {s.restore}"
+    return Decision(
+        Kind.HALT,
+        f"halted: {failures} trainer failure{'s' if failures > 1 else ''} in a row with the same error, on "
+        f"{', '.join(dict.fromkeys(hosts))}, and {since}: the failure follows the job, not a host "
+        "(a bug in the training script, or a setting every host shares), and replacing hosts would "
+        "not end it. Fix it, then start the job again (its snapshots and checkpoints are kept). "
+        f"The error: {crash.error}",
     )
 
 
@@ -429,6 +455,7 @@ RULES: tuple[Rule, ...] = (
     halted,
     finished,
     state_lost,
+    crash_loop,
     form,
     readdress,
     reform,

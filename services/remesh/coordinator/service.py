@@ -728,6 +728,11 @@ class Coordinator:
             result = membership.report_fault(
                 now, s, host_id, incarnation, kind, epoch, exit_code, detail, self._max_id, blocked_since
             )
+            for event in result.events:
+                if event.type is EventType.FAULT_REPORTED:
+                    # Noted before this commit's plan, which may halt a crash loop with it
+                    # (planner.crash_loop).
+                    self.observations = observations.crashed(self.observations, event)
             if kind is membership.FaultKind.STATE_LOST:
                 # Noted before this commit's plan, which halts the job with it (planner.state_lost).
                 self.observations = observations.state_lost(

@@ -163,6 +163,10 @@ class PlannerSettings:
     # time: a link that stays broken) before the job halts with the reason, instead of forming the
     # same hosts again forever; each takes seconds (3.6 s measured on CPU).
     max_futile_reforms: int = 5
+    # Recoveries granted in a row to the same trainer error when none of them completed a step (a
+    # bug in the training script fails on every host it moves to): the next such failure halts the
+    # job with the error, so a job burns at most this many spares on one bug.
+    max_repeated_crashes: int = 2
 
     def __post_init__(self) -> None:
         _require(
@@ -191,11 +195,14 @@ class PlannerSettings:
         )
         waits = ("max_wait_s", "suspect_hold_s", "burst_window_s", "burst_max_s", "reform_after_s")
         _require(
-            min(getattr(self, name) for name in waits) >= 0 and self.max_futile_reforms >= 0,
+            min(getattr(self, name) for name in waits) >= 0
+            and min(self.max_futile_reforms, self.max_repeated_crashes) >= 0,
             "invalid planner timings",
-            f"{', '.join(waits)} are durations and max_futile_reforms a count: none may be negative",
+            f"{', '.join(waits)} are durations, max_futile_reforms and max_repeated_crashes counts: "
+            "none may be negative",
             *waits,
             "max_futile_reforms",
+            "max_repeated_crashes",
         )
 
     def covering(self, detector: DetectorSettings) -> PlannerSettings:
