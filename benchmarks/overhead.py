@@ -207,7 +207,8 @@ def remesh_run(
         trainer = [
             sys.executable, "-m", "examples.tinylm.train_elastic", *model_args(args),
             "--sharding", "fsdp", "--log-every", "1000", "--metrics-dir", str(folder / "metrics"),
-            "--snapshot-every", str(args.snapshot_every), "--mtbf", str(args.mtbf),
+            "--snapshot-every", str(args.snapshot_every),
+            *(["--mtbf", str(args.mtbf)] if args.mtbf is not None else []),
         ]  # fmt: skip
     if args.checkpoint_every:
         trainer += [
@@ -298,7 +299,8 @@ def main() -> int:
         "--mtbf",
         type=float,
         default=Policy().mtbf_s,
-        help="the remesh run's expected seconds between failures (--snapshot-every auto)",
+        help="the remesh run's expected seconds between failures (--snapshot-every auto; default: "
+        "remesh's, 3 hours until the coordinator observes a failure)",
     )
     parser.add_argument("--checkpoint-every", type=int, default=10, help="remesh run (0: none)")
     parser.add_argument(

@@ -98,17 +98,25 @@ def test_steps_beside_a_snapshot_that_are_no_slower_propose_the_least_interval_n
     assert cadence.proposal() == LEAST_EVERY > 2
 
 
-def test_agreeing_takes_the_largest_proposal_from_the_agreed_step_and_measures_anew() -> None:
+def test_agreeing_takes_the_median_proposal_never_below_a_fit_from_the_agreed_step_and_measures_anew() -> (
+    None
+):
     cadence = Cadence.automatic(0, 3600.0)
     for step in range(1, 31):
         cadence.observe(step, 0.3)
     cadence.agreeing = (30, 35)
-    cadence.agree(35, [12, 40, 7])
-    assert (cadence.every, cadence.since, cadence.agreeing) == (40, 35, None)
+    # One host's estimate (127: its step times were noisy) does not set everyone's interval.
+    cadence.agree(35, [12, 127, 7], [2, 3, 2])
+    assert (cadence.every, cadence.since, cadence.agreeing) == (12, 35, None)
     assert cadence.beside == cadence.quiet == []
-    assert cadence.due(35) and cadence.due(75) and not cadence.due(40)
-    # A proposal below the least interval (an older member's) is raised to it.
-    cadence.agree(75, [1, 2])
+    assert cadence.due(35) and cadence.due(47) and not cadence.due(40)
+    # A member whose snapshots fit in no fewer than 20 steps sets the floor: it would skip others.
+    cadence.agree(47, [12, 9, 7], [2, 20, 2])
+    assert cadence.every == 20
+    # An even count takes the upper median; a proposal below the least interval is raised to it.
+    cadence.agree(67, [4, 10])
+    assert cadence.every == 10
+    cadence.agree(77, [1, 2])
     assert cadence.every == LEAST_EVERY
 
 

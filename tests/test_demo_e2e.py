@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -177,14 +178,21 @@ def test_demo_recovers_a_killed_host_and_reports_what_the_event_log_says(tmp_pat
     assert "recovered in" in result.stdout and "report.json" in result.stdout
 
 
+# A trainer's line saying the snapshot interval in force, and the failure interval it weighs.
+CADENCE_LINE = re.compile(r"snapshot cadence.*?\bevery=(\d+).*?mtbf_from='([^']+)'")
+
+
 @pytest.mark.timeout(420)
 def test_demo_survives_two_failures_in_a_row_one_of_them_the_host_of_process_0(tmp_path: Path) -> None:
+    """Also with the trainers' cadence at remesh's defaults (``--trainer-mtbf 0``: no failure interval
+    assumed but the library's own): once a host failed, every trainer weighs the failure rate the
+    coordinator observed, and the second failure replays at most the interval that rate implies."""
     with RedisServer(appendonly=False) as server:
         result, mark = demo(
-            tmp_path, "--redis", server.url, "--hosts", "2", "--spares", "1", "--steps", "70",
-            "--kill-at", "20,45", "--kill", "rank0,any", "--seed", "3", *SMALL,
-            # Slow enough that the 25 steps between the failures outlast the runner's 3 s gap
-            # after a recovery; at 0.05 s the second failure came at step 69 of 70.
+            tmp_path, "--redis", server.url, "--hosts", "2", "--spares", "1", "--steps", "100",
+            "--kill-at", "20,80", "--kill", "rank0,any", "--seed", "3", *SMALL, "--trainer-mtbf", "0",
+            # Slow enough that the steps between the failures outlast the runner's 3 s gap after a
+            # recovery and the trainers agree on an interval between them (30 steps into an epoch).
             "--step-sleep", "0.15",
             timeout=360,
         )  # fmt: skip
@@ -196,6 +204,13 @@ def test_demo_survives_two_failures_in_a_row_one_of_them_the_host_of_process_0(t
     first, second = report["failures"]
     assert first["rank"] == 0
     assert second["epoch_before"] >= first["epoch_after"]
+    said = [
+        m.groups() for log in (tmp_path / "logs").iterdir() for m in CADENCE_LINE.finditer(log.read_text())
+    ]
+    assert ("5", "assumed until a failure is observed") in said, said  # before any failure
+    observed = [int(every) for every, source in said if source == "observed by the coordinator"]
+    assert observed, said
+    assert second["steps_lost"] <= max(observed), (second, said)
     assert report["run"]["reached_target"]
     check_report_against_log(report, events)
     check_clean_end(report, events)

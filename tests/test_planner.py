@@ -423,6 +423,29 @@ def test_a_new_topology_records_how_far_the_epoch_it_replaces_got() -> None:
     assert plan(50.0, state, seen(restarted), S()).details == {"reached_step": "-1"}  # nobody knows
 
 
+def test_every_topology_carries_when_the_job_formed_and_the_recoveries_since() -> None:
+    """What the trainers' cadence reads as the job's observed failure rate."""
+
+    def next_topology(now: float, state: ClusterState, observed: Observations) -> Topology:
+        decision = plan(now, state, observed, S())
+        (topology,) = [e.topology for e in plan_events(now, state, decision, S()) if e.topology]
+        return topology
+
+    first = next_topology(10.0, unformed(*actives(*FOUR)), seen())
+    assert (first.formed_at, first.recoveries) == (10.0, 0)
+    lost = formed(FOUR, states={"a1": DEAD}, others=spares("s0"))
+    lost = replace(lost, topology=replace(lost.topology, formed_at=10.0, recoveries=0))
+    replaced = next_topology(70.0, lost, seen(STEPS_41))
+    assert (replaced.formed_at, replaced.recoveries) == (10.0, 1)
+    # Growing back is no failure; a re-formed epoch (a collective failed) is one.
+    grown = formed(("a0", "a1"), others=spares("s0"))
+    grown = replace(grown, topology=replace(grown.topology, formed_at=10.0, recoveries=1))
+    assert next_topology(90.0, grown, seen()).recoveries == 1
+    reformed = formed(FOUR, epoch=3)
+    reformed = replace(reformed, topology=replace(reformed.topology, formed_at=10.0, recoveries=1))
+    assert next_topology(100.0, reformed, seen(STEPS_41, **failed(3, 99.9, 4))).recoveries == 2
+
+
 def test_a_job_whose_every_member_was_lost_still_restores_what_it_completed() -> None:
     """A job of one whose trainer died: its host registered again as a spare and takes its rank
     back. No member survived to report a step, yet the job completed some: the new epoch must not

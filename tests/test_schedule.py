@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from remesh.elastic import Faults, Policy, SnapshotSchedule
-from remesh.elastic.cadence import CALIBRATE_AFTER, FIRST_EVERY
+from remesh.elastic.agent_client import Assignment
+from remesh.elastic.cadence import CALIBRATE_AFTER, FIRST_EVERY, PRIOR_MTBF_S
 from remesh.elastic.faults import FailOnce
 
 
@@ -76,20 +77,22 @@ def test_a_schedule_that_cannot_be_kept_is_refused_with_the_reason(
         Policy(snapshot_every=every, buddy_every=buddy_every, mtbf_s=mtbf_s)  # type: ignore[arg-type]
 
 
-def test_an_automatic_schedule_proposes_then_agrees_on_the_largest_interval_from_a_later_step() -> None:
+def test_an_automatic_schedule_proposes_then_agrees_on_the_median_interval_from_a_later_step() -> None:
     schedule = SnapshotSchedule("auto", mtbf_s=3 * 3600.0)
     schedule.begin(7)  # an epoch restored at step 7
     assert (schedule.every, schedule.since) == (FIRST_EVERY, 7)
-    posted = Posted([40, 12])  # the other members' proposals
+    posted = Posted([40, 12])  # the other members' proposals (and, under cadence-fits-*, their fits)
     ask = 7 + CALIBRATE_AFTER * FIRST_EVERY
     due = [s for s in range(8, ask) if schedule.due(s, posted)]
     assert due == list(range(7 + FIRST_EVERY, ask, FIRST_EVERY)) and posted.posted == {}
     for step in range(8, ask):
         schedule.step_completed(step, 0.3)
-    assert schedule.due(ask, posted) and list(posted.posted) == [f"cadence-{ask}"]
-    # The new K counts from a later snapshot step: until it, the old K; there, every member's largest.
+    assert schedule.due(ask, posted) and list(posted.posted) == [f"cadence-{ask}", f"cadence-fits-{ask}"]
+    # The new K counts from a later snapshot step: until it, the old K; there, the median of every
+    # member's (this one proposed FIRST_EVERY: nothing measured its cost yet), never below the
+    # largest fit (one member's 40 is both).
     at = next(s for s in range(ask + 1, ask + 50) if (schedule.due(s, posted) and posted.gathered))
-    assert posted.gathered == [(f"cadence-{ask}", ask, at)]
+    assert posted.gathered == [(f"cadence-{ask}", ask, at), (f"cadence-fits-{ask}", ask, at)]
     assert (schedule.every, schedule.since) == (40, at)
     assert schedule.buddy_step(at + 40) and not schedule.buddy_step(at + FIRST_EVERY)
     # A new epoch measures and agrees afresh.
@@ -130,3 +133,38 @@ def test_faults_are_none_unless_named_and_the_collective_fault_fires_once() -> N
     once = FailOnce(faults.collective_fails_at_step)
     assert [s for s in range(30) if once.now(s)] == [15]
     assert not once.now(15)
+
+
+def test_the_failure_interval_weighed_is_the_observed_one_once_there_is_one() -> None:
+    observed: list[float | None] = [None]
+    schedule = SnapshotSchedule("auto")
+    schedule.observe_failures(lambda: observed[0])
+    assert schedule.failure_interval() == (PRIOR_MTBF_S, "assumed until a failure is observed")
+    assert SnapshotSchedule("auto", mtbf_s=600.0).failure_interval() == (600.0, "Policy.mtbf_s")
+    observed[0] = 45.0
+    assert schedule.failure_interval() == (45.0, "observed by the coordinator")
+    # What a start-up line says: the steps a failure replays, and the interval weighed.
+    schedule.begin(0)
+    said = schedule.expected()
+    assert said["replay_max_steps"] == FIRST_EVERY - 1 and said["mtbf_s"] == 45.0
+
+    # Weighed at the proposal: a job that fails every 45 s snapshots more often than one assumed to
+    # fail every 3 hours, for the same measured cost.
+    def proposed(interval: float | None) -> int:
+        observed[0] = interval
+        s = SnapshotSchedule("auto")
+        s.observe_failures(lambda: observed[0])
+        s.begin(0)
+        posted = Posted([])
+        for step in range(1, CALIBRATE_AFTER * FIRST_EVERY + 1):
+            s.step_completed(step, 0.4 if s.cadence.beside_snapshot(step) else 0.1)
+            s.due(step, posted)
+        return posted.posted[f"cadence-{CALIBRATE_AFTER * FIRST_EVERY}"][0]
+
+    assert proposed(45.0) < proposed(None)
+
+
+def test_the_coordinators_failure_interval_is_the_time_since_forming_over_the_recoveries() -> None:
+    assert Assignment(1, "h", 0, 2, "", -1).failure_interval_s(1000.0) is None
+    assert Assignment(3, "h", 0, 2, "", 5, formed_at=400.0, recoveries=0).failure_interval_s(1000.0) is None
+    assert Assignment(3, "h", 0, 2, "", 5, formed_at=400.0, recoveries=2).failure_interval_s(1000.0) == 300.0

@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         "--mtbf",
         type=float,
         default=Policy().mtbf_s,
-        help="expected seconds between failures of the job, for --snapshot-every auto",
+        help="expected seconds between failures of the job, for --snapshot-every auto, until the "
+        "coordinator observes a failure (default: 3 hours)",
     )
     args = p.parse_args(argv)
     configure_logging()  # JSON lines when the agent logs JSON

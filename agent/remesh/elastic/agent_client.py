@@ -79,6 +79,17 @@ class Assignment:
     # Checkpoint commits the coordinator accepted before this epoch, (step, epoch): the only ones
     # this epoch may restore from.
     commits: frozenset[tuple[int, int]] = frozenset()
+    # When the job formed (Unix seconds; 0: not said) and the epochs since that recovered from a
+    # failure: the failure rate the coordinator observes (``failure_interval_s``).
+    formed_at: float = 0.0
+    recoveries: int = 0
+
+    def failure_interval_s(self, now: float) -> float | None:
+        """Seconds between the job's failures as the coordinator observed them up to ``now``: the time
+        since the job formed over its recoveries (None: it observed none)."""
+        if self.recoveries <= 0 or self.formed_at <= 0:
+            return None
+        return max(now - self.formed_at, 1.0) / self.recoveries
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Assignment:
@@ -109,6 +120,8 @@ class Assignment:
             halted=t.halted,
             hosts=tuple(m.host_id for m in t.members),
             commits=frozenset((c.step, c.epoch) for c in t.commits),
+            formed_at=t.formed_at,
+            recoveries=t.recoveries,
         )
 
 

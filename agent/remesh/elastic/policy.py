@@ -52,8 +52,9 @@ class Policy:
     # function of the step).
     # "auto" (the default): K is Young's interval, sqrt(2 x cost x mtbf_s), from what a snapshot
     # costs the loop, measured on its own step times and its waits for snapshots, and never fewer
-    # steps than a snapshot takes; agreed by every member (the largest proposal: the slowest member
-    # sets everyone's pace); 5 until the first agreement, after 30 steps (remesh.elastic.cadence).
+    # steps than a snapshot takes; agreed by every member (the median of their proposals, so no one
+    # host's estimate sets everyone's, never below what any member's snapshots fit in); 5 until the
+    # first agreement, after 30 steps (remesh.elastic.cadence).
     # A snapshot that costs nothing is taken every 3 steps (on a GPU or TPU the copy is DMA beside
     # the compute) or as often as it fits; one that costs much (on CPU the copy shares the cores
     # with the step, benchmarks/overhead.py) is taken rarely. Buddy copies then go with every
@@ -71,9 +72,11 @@ class Policy:
     snapshot_device_budget_bytes: int | None = None
     # The expected time between failures of the whole job, for snapshot_every="auto": the rarer
     # failures are, the more steps a snapshot may be apart (a failure replays half of them, on
-    # average). Three hours: a 16,000-GPU job saw one unexpected interruption every 3.1 hours
-    # (Llama 3's 54-day pre-training run); smaller jobs fail more rarely and may say so.
-    mtbf_s: float = 3 * 3600.0
+    # average). Whatever is set here, once the coordinator has observed a failure the cadence weighs
+    # the interval it observes (the time since the job formed over its recoveries, carried by every
+    # topology); until then this, or where None (the default) remesh.elastic.cadence.PRIOR_MTBF_S,
+    # three hours. Every epoch's start logs the interval weighed and what a failure would replay.
+    mtbf_s: float | None = None
     # Save a checkpoint every N steps from rank 0 (0: never).
     checkpoint_every: int = 0
     # A step blocked this long reports it (the agent tells the coordinator): when every other member

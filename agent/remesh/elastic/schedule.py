@@ -10,8 +10,10 @@ A ``SnapshotSchedule`` is passed to the session like a save policy (``Session(sc
 - **due**: whether step S is snapshotted, and whether it is a buddy step;
 - the **interval kept**: the steps between the last two snapshots kept, said when it is longer than
   asked;
-- the **agreement** of a new K by every member of the epoch (the largest proposal counts, from an
-  agreed later step). Proposals travel through ``Proposals``: the session posts them to the
+- the **agreement** of a new K by every member of the epoch (the median of their proposals, never
+  below what any member's snapshots fit in, from an agreed later step);
+- the **failure interval** the automatic cadence weighs: the one the coordinator observes
+  (``observe_failures``) once there is one, else the user's ``mtbf_s``, else ``PRIOR_MTBF_S``. Proposals travel through ``Proposals``: the session posts them to the
   coordination service's key-value store and waits for them as for a step.
 
 No JAX, no sockets, no clock: the session tells it step and snapshot times.
@@ -20,11 +22,12 @@ No JAX, no sockets, no clock: the session tells it step and snapshot times.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal, Protocol
 
 import structlog
 
-from remesh.elastic.cadence import Cadence
+from remesh.elastic.cadence import PRIOR_MTBF_S, Cadence
 
 if TYPE_CHECKING:
     from remesh.elastic.policy import Policy
@@ -47,19 +50,23 @@ class Proposals(Protocol):
 
 
 class SnapshotSchedule:
-    """Snapshots every ``every`` steps (or "auto": K from what they cost and ``mtbf_s``), buddy copies
-    every ``buddy_every`` steps (None: with every snapshot; 0: never)."""
+    """Snapshots every ``every`` steps (or "auto": K from what they cost and the job's failure
+    interval), buddy copies every ``buddy_every`` steps (None: with every snapshot; 0: never).
+    ``mtbf_s``: the failure interval to assume until the coordinator observes one (None:
+    ``PRIOR_MTBF_S``)."""
 
     def __init__(
         self,
         every: int | Literal["auto"] = "auto",
         buddy_every: int | None = None,
-        mtbf_s: float = 3 * 3600.0,
+        mtbf_s: float | None = None,
     ) -> None:
         self.check(every, buddy_every, mtbf_s)
         self.asked = every
         self.buddy_every = buddy_every
         self.mtbf_s = mtbf_s
+        # The failure interval the coordinator observes, asked at each proposal (None: none yet).
+        self._observed: Callable[[], float | None] = lambda: None
         self.cadence = self._cadence(0)
         # The (asked, kept) intervals warned of (``snapshot_kept``), across epochs.
         self._told: set[tuple[int, int]] = set()
@@ -71,7 +78,7 @@ class SnapshotSchedule:
         return cls(policy.snapshot_every, policy.buddy_every, policy.mtbf_s)
 
     @staticmethod
-    def check(every: int | Literal["auto"], buddy_every: int | None, mtbf_s: float) -> None:
+    def check(every: int | Literal["auto"], buddy_every: int | None, mtbf_s: float | None) -> None:
         """Raise ``ValueError`` for a schedule that cannot be kept, saying why."""
         if every == "auto":
             if buddy_every not in (None, 0, 1):
@@ -79,8 +86,8 @@ class SnapshotSchedule:
                     f'with snapshot_every="auto" a buddy copy goes with every snapshot (buddy_every None '
                     f"or 1) or with none (0), not every {buddy_every} steps"
                 )
-            if mtbf_s <= 0:
-                raise ValueError(f"mtbf_s must be positive, not {mtbf_s}")
+            if mtbf_s is not None and mtbf_s <= 0:
+                raise ValueError(f"mtbf_s must be positive (or None: observed), not {mtbf_s}")
             return
         if not isinstance(every, int) or every < 1:
             raise ValueError(f'snapshot_every must be >= 1 or "auto", not {every!r}')
@@ -113,12 +120,42 @@ class SnapshotSchedule:
     # ---- the cadence of an epoch ------------------------------------------------------------------
 
     def begin(self, since: int) -> None:
-        """An epoch begins at step ``since``: the cadence begins anew (measured afresh, agreed afresh)."""
+        """An epoch begins at step ``since``: the cadence begins anew (measured afresh, agreed afresh),
+        and says what a failure would replay."""
         self.cadence = self._cadence(since)
+        log.info("snapshot cadence", since=since, **self.expected())
 
     def _cadence(self, since: int) -> Cadence:
         every = self.asked
-        return Cadence.automatic(since, self.mtbf_s) if every == "auto" else Cadence(every)
+        return Cadence.automatic(since, self.failure_interval()[0]) if every == "auto" else Cadence(every)
+
+    def observe_failures(self, observed: Callable[[], float | None]) -> None:
+        """Where the coordinator's observed failure interval comes from (seconds, None while it has
+        observed none): asked at every proposal, so the interval follows the job's own failures."""
+        self._observed = observed
+
+    def failure_interval(self) -> tuple[float, str]:
+        """The failure interval the automatic cadence weighs now, and where it comes from."""
+        observed = self._observed()
+        if observed is not None and observed > 0:
+            return observed, "observed by the coordinator"
+        if self.mtbf_s is not None:
+            return self.mtbf_s, "Policy.mtbf_s"
+        return PRIOR_MTBF_S, "assumed until a failure is observed"
+
+    def expected(self) -> dict[str, object]:
+        """What the cadence means for a failure now, for the start-up line and the agreement's: the
+        steps a failure replays at most (K - 1) and on average, and the failure interval weighed."""
+        every = self.cadence.every
+        mtbf, source = self.failure_interval()
+        return {
+            "every": every,
+            "automatic": self.automatic,
+            "replay_max_steps": every - 1,
+            "replay_mean_steps": (every - 1) / 2,
+            "mtbf_s": round(mtbf, 1) if self.automatic else None,
+            "mtbf_from": source if self.automatic else None,
+        }
 
     @property
     def every(self) -> int:
@@ -130,17 +167,20 @@ class SnapshotSchedule:
 
     def due(self, step: int, proposals: Proposals) -> bool:
         """Whether ``step`` is snapshotted. With an automatic cadence: at an agreed step every member
-        posts its interval (no collective), and the largest counts from an agreed later step; that
+        posts its Young's K and the least K its snapshots fit in (no collective), and the median of
+        the first, never below the largest of the second, counts from an agreed later step; that
         step reads every member's, there already unless a member lags several steps behind."""
         cadence = self.cadence
         if cadence.agreeing is not None and step >= cadence.agreeing[1]:
             self._agree(proposals)
         due = cadence.due(step)
         if due and (at := cadence.calibrates_at(step)) is not None:
-            proposal = cadence.proposal()
+            cadence.mtbf_s = self.failure_interval()[0]
+            young, fits = cadence.young_every(), cadence.fits_every() or 1
             cadence.agreeing = (step, at)
-            proposals.post(f"cadence-{step}", proposal)
-            log.debug("snapshot cadence proposed", step=step, every=proposal, cost_s=cadence.cost_s())
+            proposals.post(f"cadence-{step}", young)
+            proposals.post(f"cadence-fits-{step}", fits)
+            log.debug("snapshot cadence proposed", step=step, every=young, fits=fits, cost_s=cadence.cost_s())
         return due
 
     def _agree(self, proposals: Proposals) -> None:
@@ -148,16 +188,18 @@ class SnapshotSchedule:
         assert cadence.agreeing is not None
         asked, at = cadence.agreeing
         posted = proposals.gather(f"cadence-{asked}", asked, at)
+        fits = proposals.gather(f"cadence-fits-{asked}", asked, at)
         cost, before = cadence.cost_s(), cadence.every
-        cadence.agree(at, posted)
+        cadence.agree(at, posted, fits)
         log.info(
             "snapshot cadence agreed",
             asked_at=asked,
             from_step=at,
-            every=cadence.every,
             was=before,
             cost_s=None if cost is None else round(cost, 4),
             proposals=posted,
+            fits=fits,
+            **self.expected(),
         )
 
     def buddy_step(self, step: int) -> bool:

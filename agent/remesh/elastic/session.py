@@ -153,6 +153,9 @@ class Session:
         # Without an agent (REMESH_AGENT_ADDRESS unset) the script runs as a job of one host.
         self.agent: AgentLink = agent or agent_from_env(job, progress_every_s=policy.progress_every_s)
         self.template = StateTemplate(init_state)
+        # The automatic cadence weighs the failure interval the coordinator observes, once it has.
+        link = self.agent
+        self.schedule.observe_failures(lambda: link.latest.failure_interval_s(time.time()))
         self.stats = running_totals()
         # The tiers that could not keep a snapshot of this process, counted and told to the agent.
         self._missing = MissingTiers(self.agent, self.stats, policy.shm_dir)

@@ -158,7 +158,7 @@ class TopologyMember(_message.Message):
     def __init__(self, host_id: _Optional[str] = ..., rank: _Optional[int] = ..., device_count: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
 
 class Topology(_message.Message):
-    __slots__ = ("epoch", "members", "mesh_shape", "jax_coordinator_address", "restore_step", "reason", "created_at", "halted", "job_id", "commits")
+    __slots__ = ("epoch", "members", "mesh_shape", "jax_coordinator_address", "restore_step", "reason", "created_at", "halted", "job_id", "commits", "formed_at", "recoveries")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     MESH_SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +169,8 @@ class Topology(_message.Message):
     HALTED_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITS_FIELD_NUMBER: _ClassVar[int]
+    FORMED_AT_FIELD_NUMBER: _ClassVar[int]
+    RECOVERIES_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     members: _containers.RepeatedCompositeFieldContainer[TopologyMember]
     mesh_shape: _containers.RepeatedScalarFieldContainer[int]
@@ -179,7 +181,9 @@ class Topology(_message.Message):
     halted: bool
     job_id: str
     commits: _containers.RepeatedCompositeFieldContainer[CheckpointCommit]
-    def __init__(self, epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[TopologyMember, _Mapping]]] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., jax_coordinator_address: _Optional[str] = ..., restore_step: _Optional[int] = ..., reason: _Optional[str] = ..., created_at: _Optional[float] = ..., halted: _Optional[bool] = ..., job_id: _Optional[str] = ..., commits: _Optional[_Iterable[_Union[CheckpointCommit, _Mapping]]] = ...) -> None: ...
+    formed_at: float
+    recoveries: int
+    def __init__(self, epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[TopologyMember, _Mapping]]] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., jax_coordinator_address: _Optional[str] = ..., restore_step: _Optional[int] = ..., reason: _Optional[str] = ..., created_at: _Optional[float] = ..., halted: _Optional[bool] = ..., job_id: _Optional[str] = ..., commits: _Optional[_Iterable[_Union[CheckpointCommit, _Mapping]]] = ..., formed_at: _Optional[float] = ..., recoveries: _Optional[int] = ...) -> None: ...
 
 class TopologyDelta(_message.Message):
     __slots__ = ("base_epoch", "topology", "removed", "changed", "member_count")

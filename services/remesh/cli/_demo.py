@@ -91,6 +91,14 @@ def add_parser(sub: Any) -> None:
         "snapshot costs and the run's MTBF)",
     )
     p.add_argument(
+        "--trainer-mtbf",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="the failure interval the trainers' automatic cadence assumes until the coordinator observes "
+        "one (default: --mtbf, else 60, since this run fails on purpose; 0: remesh's default, 3 hours)",
+    )
+    p.add_argument(
         "--d-model",
         type=int,
         default=None,
@@ -148,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
         gcs_url=args.gcs,
         checkpoint_every=args.checkpoint_every,
         snapshot_every=args.snapshot_every,
+        trainer_mtbf_s=args.trainer_mtbf,
         step_sleep=args.step_sleep,
         duration_s=args.duration,
         port=args.port,

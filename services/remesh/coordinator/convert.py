@@ -150,6 +150,8 @@ def topology_to_pb(topology: Topology | None) -> pb.Topology:
         halted=topology.halted,
         job_id=topology.job_id,
         commits=[pb.CheckpointCommit(step=step, epoch=epoch) for step, epoch in topology.commits],
+        formed_at=topology.formed_at,
+        recoveries=topology.recoveries,
     )
 
 
@@ -170,6 +172,8 @@ def topology_from_pb(msg: pb.Topology) -> Topology | None:
         halted=msg.halted,
         job_id=msg.job_id,
         commits=tuple((c.step, c.epoch) for c in msg.commits),
+        formed_at=msg.formed_at,
+        recoveries=msg.recoveries,
     )
 
 

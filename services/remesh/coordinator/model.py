@@ -191,6 +191,11 @@ class Topology:
     # commit a restore in this epoch could want precedes the epoch: its own commits come later and
     # are of later steps than its restore step.
     commits: tuple[tuple[int, int], ...] = ()
+    # When the job's first epoch was formed, and the epochs since that recovered from a failure
+    # (a member lost, or a collective failed): the failure rate the coordinator observes, which the
+    # trainers' automatic snapshot cadence weighs (``failure_interval_s``).
+    formed_at: float = 0.0
+    recoveries: int = 0
 
     @property
     def world_size(self) -> int:
@@ -222,6 +227,9 @@ class Topology:
         else:
             # Written only when set: an event log from before the field reads and writes back unchanged.
             del d["commits"]
+        for name in ("formed_at", "recoveries"):
+            if not d[name]:
+                del d[name]  # the same: written only when set
         return d
 
     @classmethod

@@ -499,6 +499,8 @@ def _topology(
         for rank, h in enumerate(decision.hosts)
     )
     port = settings.jax_port(job_id, epoch)
+    old = state.topology
+    recovered = decision.kind in (Kind.REPLACE, Kind.SHRINK, Kind.REFORM)
     devices = min(m.device_count for m in members) if members else 0
     return Topology(
         epoch=epoch,
@@ -510,6 +512,8 @@ def _topology(
         created_at=now,
         job_id=job_id,
         commits=state.commits,
+        formed_at=now if old is None else (old.formed_at or old.created_at),
+        recoveries=(0 if old is None else old.recoveries) + int(recovered),
     )
 
 

@@ -112,6 +112,10 @@ class DemoConfig:
     # Host-memory snapshots every N steps, or "auto" (the trainer library's default: the interval
     # follows what a snapshot costs and the run's MTBF).
     snapshot_every: str = "auto"
+    # The failure interval the trainers' automatic cadence assumes until the coordinator observes one
+    # (seconds); None: the run's --mtbf, else about a minute (this run fails on purpose, soon). 0:
+    # none, remesh's default (remesh.elastic.cadence.PRIOR_MTBF_S until a failure is observed).
+    trainer_mtbf_s: float | None = None
     step_sleep: float = 0.05
     d_model: int = 64
     layers: int = 2
@@ -155,6 +159,8 @@ class DemoConfig:
                 raise DemoError(f"unknown host {target!r}: choose {TARGETS_HELP} ({', '.join(hosts)})")
         if self.schedule.mtbf_s is not None and self.schedule.mtbf_s <= 0:
             raise DemoError("--mtbf must be a positive number of seconds")
+        if self.trainer_mtbf_s is not None and self.trainer_mtbf_s < 0:
+            raise DemoError("--trainer-mtbf must be a number of seconds (0: remesh's default)")
         if not 0 <= self.port < 65536:
             raise DemoError(f"--port {self.port} is not a TCP port")
         if self.gcs_url is not None and not self.gcs_url.startswith("gs://"):
@@ -251,9 +257,15 @@ class DemoRun:
             "--gcs", self._gcs_url, "--checkpoint-every", str(c.checkpoint_every),
             "--sharding", c.sharding,  # a sharded state: every host writes its own shards to GCS
             # With --snapshot-every auto (the default) the interval follows how often this run fails
-            # a host: its MTBF, or about a minute for failures at given steps.
-            "--snapshot-every", c.snapshot_every, "--mtbf", str(c.schedule.mtbf_s or 60.0),
+            # a host: what the coordinator observes once a host failed; before, the run's MTBF, or
+            # about a minute for failures at given steps (--trainer-mtbf).
+            "--snapshot-every", c.snapshot_every, *self._trainer_mtbf(),
         ]  # fmt: skip
+
+    def _trainer_mtbf(self) -> list[str]:
+        c = self.config
+        assumed = c.trainer_mtbf_s if c.trainer_mtbf_s is not None else (c.schedule.mtbf_s or 60.0)
+        return ["--mtbf", str(assumed)] if assumed > 0 else []
 
     def _start_host(self, host_id: str, *, spare: bool = False) -> None:
         assert self.cluster is not None
