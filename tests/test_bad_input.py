@@ -94,6 +94,7 @@ def test_bad_requests_get_clear_statuses_and_change_nothing(running: Cluster) ->
         ("bad event type", lambda: list(stub.ReplayEvents(pb.ReplayEventsRequest(types=[999]))), INVALID, "event type"),
         ("NaN since", lambda: list(stub.ReplayEvents(pb.ReplayEventsRequest(since=float("nan")))), INVALID, "not a time"),
         ("escapes in an address", lambda: stub.Register(pb.RegisterRequest(host_id="x", address="\x1b[2J")), INVALID, "address"),
+        ("an agent of another job", lambda: stub.Register(pb.RegisterRequest(host_id="x", job_id="myjob")), FAILED, f"runs job '{running.job}', not 'myjob': start the agent with --job {running.job}"),
         ("NaN phase", lambda: stub.AckEpoch(pb.AckEpochRequest(host_id="host-0", incarnation=inc, epoch=epoch, phases={"restore": float("nan")})), INVALID, "finite"),
         ("negative watch epoch", lambda: next(iter(stub.WatchTopology(pb.WatchTopologyRequest(after_epoch=-1)))), INVALID, "negative"),
     ]  # fmt: skip
@@ -283,3 +284,16 @@ def test_a_coordinator_fault_on_a_stream_acknowledgement_is_answered_at_once() -
     assert answer.ack_reply.epoch == 4 and not answer.ack_reply.live
     assert answer.ack_reply.code == grpc.StatusCode.UNKNOWN.value[0]
     assert "a fault" in answer.ack_reply.details
+
+
+def test_an_agent_started_for_another_job_exits_saying_which_job_the_coordinator_runs(
+    running: Cluster,
+) -> None:
+    """What a user running the pieces by hand meets when the agent's --job is not the coordinator's:
+    not a host that waits forever, but an exit with both names and the fix."""
+    agent = running.start_agent("host-9", extra=("--job", "myjob"))
+    wait_for(lambda: not agent.alive(), 30, "the agent to exit")
+    out = agent.output()
+    assert agent.popen.returncode == 2, out[-2000:]
+    assert f"this coordinator runs job '{running.job}', not 'myjob'" in out, out[-2000:]
+    assert "host-9" not in running.members()

@@ -34,6 +34,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -52,10 +53,24 @@ from remesh.v1 import agent_pb2_grpc as apb_grpc
 from remesh.v1 import coordinator_pb2 as pb
 from remesh.v1 import coordinator_pb2_grpc as pb_grpc
 from remesh.v1 import deltas
-from remesh.v1.contract import FINISHED_METADATA, Env, TrainerAssignment, commits_of, rank_of, recovery_id
+from remesh.v1.contract import (
+    FINISHED_METADATA,
+    SNAPSHOT_OWNER_FILE,
+    Env,
+    TrainerAssignment,
+    commits_of,
+    rank_of,
+    recovery_id,
+    snapshot_dir_name,
+)
 from remesh.v1.security import aio_channel
 
 __all__ = ["Agent", "AgentExit"]
+
+# Where trainers keep host-memory snapshots by default (remesh.elastic.Policy.shm_dir): what the
+# agent cleans up after a finished job. Under another Policy.shm_dir a ranked trainer still deletes
+# its own on the way out; a spare's is left there.
+DEFAULT_SHM_DIR = "/dev/shm"
 
 log = structlog.get_logger("remesh.agent")
 
@@ -356,6 +371,7 @@ class Agent:
                     role=pb.ROLE_SPARE if self.settings.spare else pb.ROLE_ACTIVE,
                     device_count=self.settings.device_count,
                     address=self.settings.address,
+                    job_id=self.settings.job_id,
                 ),
                 timeout=self.link.register_timeout_s,
             )
@@ -511,6 +527,7 @@ class Agent:
                 raise AgentExit("drained by the coordinator")
             if message.command == pb.COMMAND_FINISHED:
                 await self._job_finished(message.reason)
+                self._release_snapshots()
                 raise AgentExit(message.reason, code=0)
         raise _StreamEnded("the coordinator closed the heartbeat stream")
 
@@ -787,6 +804,21 @@ class Agent:
             await self._stop_trainer(
                 f"the job finished but the trainer was still running {self.settings.finish_grace_s:g}s later"
             )
+
+    def _release_snapshots(self) -> None:
+        """The job finished and its trainers are gone: delete the host-memory snapshots they kept in
+        /dev/shm (RAM until deleted), where this agent's trainers wrote them (the owner file names
+        this agent's session). A trainer that held a rank deleted its own on the way out; a spare's
+        standby, stopped, never does."""
+        directory = Path(DEFAULT_SHM_DIR) / snapshot_dir_name(self.settings.job_id, self.settings.host_id)
+        try:
+            owner = (directory / SNAPSHOT_OWNER_FILE).read_text()
+        except OSError:
+            return
+        if owner != self.session_id:
+            return
+        shutil.rmtree(directory, ignore_errors=True)
+        self.log.info("host-memory snapshots deleted: the job finished", directory=str(directory))
 
     async def _stop_trainer(self, reason: str, *, warm_too: bool = False) -> None:
         for trainer in (self.trainer, self.warm if warm_too else None):

@@ -77,6 +77,7 @@ from remesh.v1.contract import (
     STATE_LOST_EXIT_CODE,
     Env,
     recovery_id,
+    snapshot_dir_name,
 )
 
 __all__ = [
@@ -159,7 +160,7 @@ class Session:
         self.stats = running_totals()
         # The tiers that could not keep a snapshot of this process, counted and told to the agent.
         self._missing = MissingTiers(self.agent, self.stats, policy.shm_dir)
-        shm_name = f"remesh-{job}-{self.agent.latest.host_id or 'host'}"
+        shm_name = snapshot_dir_name(job, self.agent.latest.host_id)
         owner = os.environ.get(Env.AGENT_SESSION)
         # A job run alone holds its snapshot directory for as long as the process runs (see solo).
         self._alone: int | None = None

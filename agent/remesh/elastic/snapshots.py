@@ -39,6 +39,7 @@ import structlog
 from remesh.elastic.cells import decode_key, encode_key, volume
 from remesh.elastic.dtypes import as_bytes, dtype_name, dtype_of
 from remesh.elastic.exchange import Pieces
+from remesh.v1.contract import SNAPSHOT_OWNER_FILE
 
 __all__ = [
     "HOST_SHM",
@@ -66,7 +67,7 @@ _SPARES = 2
 
 
 # In a host's snapshot directory: the agent process whose trainers wrote what it holds.
-_OWNER = "AGENT"
+_OWNER = SNAPSHOT_OWNER_FILE
 # In the snapshot directory of a job run alone (no agent): locked by the process that runs it.
 _ALONE = "ALONE"
 

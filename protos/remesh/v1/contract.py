@@ -26,12 +26,14 @@ __all__ = [
     "FINISHED_METADATA",
     "LEADER_METADATA",
     "RESTART_EXIT_CODE",
+    "SNAPSHOT_OWNER_FILE",
     "STATE_LOST_EXIT_CODE",
     "Env",
     "ExitNote",
     "TrainerAssignment",
     "rank_of",
     "recovery_id",
+    "snapshot_dir_name",
 ]
 
 # The trainer cannot recover in-process (its JAX runtime is beyond repair, say): the agent restarts it
@@ -42,6 +44,17 @@ RESTART_EXIT_CODE = 75
 ADDRESS_IN_USE_EXIT_CODE = 98
 # No tier holds the epoch's restore step (EX_DATAERR): reported, never retried; the job halts.
 STATE_LOST_EXIT_CODE = 65
+
+# A host's host-memory snapshots of one job live in a directory of this name under the trainer's
+# Policy.shm_dir (/dev/shm by default); the file SNAPSHOT_OWNER_FILE in it names the agent session
+# (Env.AGENT_SESSION) whose trainers wrote them. The agent deletes the directory it owns when the job
+# finished (a spare's standby trainer, stopped, never does).
+SNAPSHOT_OWNER_FILE = "AGENT"
+
+
+def snapshot_dir_name(job_id: str, host_id: str) -> str:
+    return f"remesh-{job_id}-{host_id or 'host'}"
+
 
 # A follower coordinator refuses with UNAVAILABLE and names the leader's address under this key
 # ("" when it knows none).

@@ -239,32 +239,36 @@ class Event(_message.Message):
     def __init__(self, id: _Optional[str] = ..., type: _Optional[_Union[EventType, str]] = ..., time: _Optional[float] = ..., host_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., epoch: _Optional[int] = ..., reason: _Optional[str] = ..., member: _Optional[_Union[Member, _Mapping]] = ..., topology: _Optional[_Union[Topology, _Mapping]] = ..., details: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("host_id", "role", "device_count", "address")
+    __slots__ = ("host_id", "role", "device_count", "address", "job_id")
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_COUNT_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
     host_id: str
     role: Role
     device_count: int
     address: str
-    def __init__(self, host_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., device_count: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
+    job_id: str
+    def __init__(self, host_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., device_count: _Optional[int] = ..., address: _Optional[str] = ..., job_id: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("member", "topology", "heartbeat_interval_s", "heartbeat_timeout_s", "keepalive_s", "acks_on_stream")
+    __slots__ = ("member", "topology", "heartbeat_interval_s", "heartbeat_timeout_s", "keepalive_s", "acks_on_stream", "job_id")
     MEMBER_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     KEEPALIVE_S_FIELD_NUMBER: _ClassVar[int]
     ACKS_ON_STREAM_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
     member: Member
     topology: Topology
     heartbeat_interval_s: float
     heartbeat_timeout_s: float
     keepalive_s: float
     acks_on_stream: bool
-    def __init__(self, member: _Optional[_Union[Member, _Mapping]] = ..., topology: _Optional[_Union[Topology, _Mapping]] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., keepalive_s: _Optional[float] = ..., acks_on_stream: _Optional[bool] = ...) -> None: ...
+    job_id: str
+    def __init__(self, member: _Optional[_Union[Member, _Mapping]] = ..., topology: _Optional[_Union[Topology, _Mapping]] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., keepalive_s: _Optional[float] = ..., acks_on_stream: _Optional[bool] = ..., job_id: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("host_id", "incarnation", "step", "trainer_status", "probe", "topology_deltas", "ack", "topology_from_relay")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import os
 import signal
 from typing import Any
@@ -41,9 +42,18 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--host-id", default=os.environ.get("REMESH_HOST_ID"), help="this host's stable id")
     p.add_argument("--spare", action="store_true", help="join as a hot spare")
     p.add_argument("--devices", type=int, default=1, help="accelerator devices on this host")
-    p.add_argument("--address", default="127.0.0.1", help="address peers reach this host at")
     p.add_argument(
-        "--job", default=os.environ.get("REMESH_JOB", "default"), help="job id, passed to the trainer"
+        "--address",
+        default="127.0.0.1",
+        help="address the job's other hosts reach this host at (its JAX coordination port as rank 0, "
+        "its snapshots for peers); default %(default)s, which only hosts on this machine reach: give "
+        "this host's own address in a job on several machines",
+    )
+    p.add_argument(
+        "--job",
+        default=os.environ.get("REMESH_JOB", "default"),
+        help="job id (env REMESH_JOB; default %(default)s): the coordinator's --job; a coordinator of "
+        "another job refuses this agent",
     )
     p.add_argument(
         "--hang-timeout",
@@ -124,8 +134,17 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("invalid TLS settings", error=str(exc))
         return 2
+    coordinators = tuple(a.strip() for a in args.coordinator.split(",") if a.strip())
+    if _loopback(args.address) and not all(_on_this_machine(a) for a in coordinators):
+        log.warning(
+            "this host's address is a loopback address, but its coordinator is on another machine: the "
+            "job's other hosts cannot reach it (as rank 0, or for its snapshots)",
+            address=args.address,
+            coordinator=args.coordinator,
+            hint="pass --address with this host's own address",
+        )
     settings = AgentSettings(
-        coordinators=tuple(a.strip() for a in args.coordinator.split(",") if a.strip()),
+        coordinators=coordinators,
         host_id=args.host_id,
         trainer_command=tuple(command),
         spare=args.spare,
@@ -153,3 +172,19 @@ async def _main(agent: Any) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, agent.request_shutdown, sig.name)
     return int(await agent.run())
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _on_this_machine(address: str) -> bool:
+    """Whether a coordinator address (HOST:PORT, or unix:/PATH) is on this machine as far as its text
+    says: a Unix socket or a loopback host."""
+    if address.startswith("unix:"):
+        return True
+    host = address.rsplit(":", 1)[0] if ":" in address else address
+    return _loopback(host)

@@ -137,6 +137,16 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def Register(
         self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext
     ) -> pb.RegisterResponse:
+        job = self._c.settings.job_id
+        if request.job_id and request.job_id != job:
+            await abort(
+                context,
+                Rejected(
+                    f"this coordinator runs job {job!r}, not {request.job_id[:128]!r}: start the agent with "
+                    f"--job {job} (or REMESH_JOB={job}), or point its --coordinator at the coordinator of "
+                    f"job {request.job_id[:128]!r}"
+                ),
+            )
         member = await answer(
             context,
             self._c.register(
@@ -151,6 +161,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             heartbeat_timeout_s=detector.heartbeat_timeout_s,
             keepalive_s=self._c.settings.stream_keepalive_s,
             acks_on_stream=True,
+            job_id=job,
         )
 
     async def Heartbeat(
