@@ -2,11 +2,13 @@
 #   make demo   run the end-to-end recovery demo
 #   make test   lint, type-check and run the whole test suite, then the control plane's tests on the
 #               lowest versions pyproject.toml allows (what CI runs)
+# and, beside them:
+#   make docs   build the documentation site (mkdocs.yml) into site/, strictly: any warning fails it
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint lowest bench
+.PHONY: demo test lint docs lowest bench
 
 LOWEST := .venv-lowest
 # The control plane's tests, on a plain `pip install remesh` (no extras, so no JAX) pinned to the
@@ -22,12 +24,18 @@ $(BIN)/.installed: pyproject.toml
 demo: $(BIN)/.installed
 	$(BIN)/remesh demo
 
-lint: $(BIN)/.installed
+# The docs are linted too: a broken link or anchor, a page left out of the nav or an API name that no
+# longer resolves fails `make lint`, and so `make test`.
+lint: $(BIN)/.installed docs
 	PATH=$(abspath $(BIN)):$$PATH protos/generate.sh --check
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy services agent benchmarks
 	$(BIN)/lint-imports
+
+# NO_MKDOCS_2_WARNING: the Material theme's notice about its successor, printed on every build.
+docs: $(BIN)/.installed
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # Two workers (pytest-xdist), each taking a whole test module at a time: a module's fixtures (a clean
 # run to compare with, a Redis) are made once.

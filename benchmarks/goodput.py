@@ -47,7 +47,7 @@ def run_one(mode: str, mtbf: float, args: argparse.Namespace, out: Path) -> dict
         mode=mode,
         out=out,
         # Each run compiles from an empty cache of its own: with the machine's shared one, whichever
-        # mode ran first paid the compile the other read back (README: "Each run compiles").
+        # mode ran first paid the compile the other read back (docs/benchmarks.md: "Each run compiles").
         compile_cache_dir=out / "jax-cache",
     )
     console = Console(stderr=True, highlight=False)

@@ -328,7 +328,7 @@ def main() -> int:
         default="own",
         help="the plain run's processes: each in a session of its own at --trainer-nice, as an agent "
         "starts a trainer (the default), or both in this command's session at its niceness (faster on "
-        "one machine: see the README)",
+        "one machine: see docs/benchmarks.md)",
     )
     parser.add_argument(
         "--plain-checkpoints",

@@ -102,7 +102,7 @@ def add_parser(sub: Any) -> None:
         type=int,
         default=0,
         help="hosts (active and spares) the coordinator is sized for (default: --world-size); past "
-        "--heartbeat-budget of them per second, heartbeats are spaced out (see the README's scale table)",
+        "--heartbeat-budget of them per second, heartbeats are spaced out (see docs/scale.md)",
     )
     p.add_argument(
         "--heartbeat-budget",
