@@ -142,3 +142,54 @@ def test_a_bug_in_the_training_script_halts_the_job_within_its_budget(
     )
     assert shown.returncode == 0, shown.stderr
     assert "HALTED" in shown.stdout and "TracerArrayConversionError" in shown.stdout, shown.stdout
+
+
+# Asks once for a fresh process, saying why as the session does (exit 75 with a note); the fresh one
+# waits for the agent to stop it.
+ASKS_FOR_A_FRESH_PROCESS = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+    from remesh.v1.contract import Env, ExitNote, RESTART_EXIT_CODE
+    once = Path(sys.argv[1])
+    if once.exists():
+        time.sleep(600)
+    once.write_text("asked")
+    note = ExitNote("leave-stuck", "leaving epoch 1 waited 2.0s for a checkpoint being saved",
+                    "checkpoint less often if it recurs", RESTART_EXIT_CODE)
+    with open(os.environ[Env.EXIT_NOTE], "w") as f:
+        f.write(note.to_json())
+    sys.exit(RESTART_EXIT_CODE)
+    """
+)
+
+
+@pytest.mark.integration
+def test_a_trainer_that_asks_for_a_fresh_process_says_why_in_the_event_log(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """In-process recovery is the normal path; where a trainer cannot take it, the reason reaches the
+    job's event log, and its host keeps its rank (nothing is charged, no epoch planned)."""
+    script = tmp_path / "trainer.py"
+    script.write_text(ASKS_FOR_A_FRESH_PROCESS)
+    cluster.start_coordinator("--world-size", "1")
+    cluster.start_agent(
+        "host-0", trainer=[sys.executable, str(script), str(tmp_path / "once")], extra=("--no-warm-standby",)
+    )
+
+    def recorded() -> pb.Event | None:
+        return next(
+            (
+                e
+                for e in cluster.events()
+                if e.type == pb.EVENT_TYPE_FAULT_REPORTED and "trainer_restarted" in e.reason
+            ),
+            None,
+        )
+
+    event = wait_for(recorded, 60, "the restart to be recorded")
+    assert "leave-stuck: leaving epoch 1 waited 2.0s for a checkpoint being saved" in event.reason, event
+    events = cluster.events()
+    assert not [e for e in events if e.type == pb.EVENT_TYPE_MEMBER_DEAD], events
+    assert [e.epoch for e in events if e.type == pb.EVENT_TYPE_TOPOLOGY_CHANGED] == [1]
+    assert cluster.members()["host-0"].state == pb.MEMBER_STATE_ALIVE

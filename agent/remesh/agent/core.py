@@ -58,6 +58,7 @@ class Fault(enum.Enum):
     TRAINER_HUNG = "trainer hung"
     ADDRESS_IN_USE = "address in use"
     STATE_LOST = "state lost"
+    TRAINER_RESTARTED = "trainer restarted"
 
 
 @dataclass(frozen=True)

@@ -141,6 +141,7 @@ _FAULT_KINDS = {
     Fault.TRAINER_HUNG: pb.FAULT_KIND_TRAINER_HUNG,
     Fault.ADDRESS_IN_USE: pb.FAULT_KIND_ADDRESS_IN_USE,
     Fault.STATE_LOST: pb.FAULT_KIND_STATE_LOST,
+    Fault.TRAINER_RESTARTED: pb.FAULT_KIND_TRAINER_RESTARTED,
 }
 
 
@@ -865,12 +866,42 @@ class Agent:
         elif decision.do is Do.START_TRAINER:
             self.log.info("trainer restarted", reason=decision.reason)
             await self._start_trainer(self.topology, self._rank(self.topology))
+            if result.note is not None:
+                # Why it could not recover in place, into the job's event log (never a fault of the
+                # host): told while the fresh process starts, not before it.
+                task = asyncio.create_task(
+                    self._record_restart(result.epoch, result.returncode, decision.reason)
+                )
+                self._telling.add(task)
+                task.add_done_callback(self._telling.discard)
         elif decision.do is Do.REPORT_FAULT:
             if decision.delay_s:
                 await asyncio.sleep(decision.delay_s)
             await self._report_fault(decision, exit_code=result.returncode)
         elif not result.stopped:
             self.log.info("trainer exit needs nothing", reason=decision.reason, code=result.returncode)
+
+    async def _record_restart(self, epoch: int, exit_code: int, reason: str) -> None:
+        """Tell the coordinator why the trainer asked for a fresh process: an event for operators
+        (FAULT_KIND_TRAINER_RESTARTED), never charged to the host; its answer changes nothing here."""
+        try:
+            reply = await self._connect().ReportFault(
+                pb.ReportFaultRequest(
+                    host_id=self.settings.host_id,
+                    incarnation=self.incarnation,
+                    kind=_FAULT_KINDS[Fault.TRAINER_RESTARTED],
+                    epoch=epoch,
+                    exit_code=exit_code,
+                    detail=reason,
+                ),
+                timeout=5,
+            )
+        except grpc.aio.AioRpcError as exc:
+            self.log.warning(
+                "could not record the trainer's restart", code=exc.code().name, detail=exc.details()
+            )
+            return
+        self.log.info("trainer restart recorded", reason=reply.reason)
 
     async def _report_fault(self, fault: Decision, exit_code: int) -> None:
         assert fault.fault is not None

@@ -72,6 +72,7 @@ class FaultKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAULT_KIND_STATE_LOST: _ClassVar[FaultKind]
     FAULT_KIND_COLLECTIVE_FAILED: _ClassVar[FaultKind]
     FAULT_KIND_TIER_MISSING: _ClassVar[FaultKind]
+    FAULT_KIND_TRAINER_RESTARTED: _ClassVar[FaultKind]
 ROLE_UNSPECIFIED: Role
 ROLE_ACTIVE: Role
 ROLE_SPARE: Role
@@ -120,6 +121,7 @@ FAULT_KIND_STALLED: FaultKind
 FAULT_KIND_STATE_LOST: FaultKind
 FAULT_KIND_COLLECTIVE_FAILED: FaultKind
 FAULT_KIND_TIER_MISSING: FaultKind
+FAULT_KIND_TRAINER_RESTARTED: FaultKind
 
 class Member(_message.Message):
     __slots__ = ("host_id", "incarnation", "role", "state", "device_count", "address", "rank", "reason", "updated_at", "last_step")

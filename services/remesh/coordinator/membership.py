@@ -88,6 +88,7 @@ class FaultKind(enum.StrEnum):
     HOST = "host"
     ADDRESS_IN_USE = "address_in_use"
     STATE_LOST = "state_lost"
+    TRAINER_RESTARTED = "trainer_restarted"
 
 
 @dataclass(frozen=True)
@@ -415,6 +416,12 @@ def report_fault(
             reason = f"state_lost: {detail or 'no tier holds the restore step'}"
         else:
             reason = f"state_lost for epoch {epoch} from {host_id}: not the current epoch, ignored"
+        return FaultOutcome([_fault_event(now, state, host_id, incarnation, reason, details)], False, reason)
+    if kind is FaultKind.TRAINER_RESTARTED:
+        # The trainer could not recover in place and its agent started a fresh process on the same
+        # topology: the reason is recorded for operators (why in-process recovery was not the path),
+        # nobody is blamed and nothing is planned.
+        reason = f"trainer_restarted on {host_id} in epoch {epoch}: {detail or 'no reason given'}"
         return FaultOutcome([_fault_event(now, state, host_id, incarnation, reason, details)], False, reason)
     if kind is FaultKind.ADDRESS_IN_USE:
         # Rank 0's trainer found the epoch's JAX coordination port taken by another process: no
