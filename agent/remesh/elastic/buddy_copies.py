@@ -113,7 +113,7 @@ class BuddyCopies:
                 self._told_slow = True
                 log.warning(
                     "buddy copies take longer than the steps between them: the loop waits for them; "
-                    "raise buddy_every (--buddy-every) so that a copy fits",
+                    "raise Policy(buddy_every=...) so that a copy fits",
                     step=step,
                     buddy_every=self.buddy_every,
                     waited_s=round(waited, 3),

@@ -128,6 +128,21 @@ class Epoch:
     Steps are counted as steps done: ``step`` (and ``StepResult.step``, a checkpoint's step) is how
     many steps the state has taken; ``steps()`` yields, for each step it runs, the steps done before
     it (0 for the first step of a job), so ``epoch.step`` is one more once ``done`` took it back.
+
+    Attributes:
+        state: the state, restored onto this epoch's mesh (the pytree ``init_state`` describes).
+        step: steps done: where this epoch starts, one more after each step ``done`` took back.
+        mesh: the epoch's ``jax.sharding.Mesh`` over every device of every member.
+        shardings: the state's shardings on that mesh, shaped like the state (``jit``'s
+            ``out_shardings`` for the state).
+        batch_sharding: the batch's: rows split over every device of every member.
+        replicated: a sharding that replicates (for metrics).
+        last: the ``StepResult`` of the job's last step once the epoch finished it (``done``
+            returns the others); None before.
+        assignment: this host's place in the epoch (``epoch``, ``rank``, ``world_size``, ``hosts``).
+        num_steps: the step the job trains to.
+        restored_from: where the state came from, a label (``memory``, ``host-shm``,
+            ``peer+buddy``, a checkpoint store's name, or ``scratch`` for a job that starts).
     """
 
     def __init__(
