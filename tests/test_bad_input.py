@@ -135,6 +135,26 @@ def test_heartbeats_of_stale_or_unknown_incarnations_are_told_to_register_and_ch
     assert snapshot(running) == before
 
 
+def test_a_heartbeat_stream_keeps_the_host_and_incarnation_of_its_first_message(running: Cluster) -> None:
+    """A stream opened as one member cannot speak for another, or for another incarnation, later on:
+    it is told to register again, and nothing it said past its first message counts."""
+    members = running.members()
+    inc0, inc1 = members["host-0"].incarnation, members["host-1"].incarnation
+    for second in (
+        pb.HeartbeatRequest(host_id="host-0", incarnation=inc0, step=10**6),
+        pb.HeartbeatRequest(host_id="host-1", incarnation=inc1 + 1, step=10**6),
+    ):
+        first = pb.HeartbeatRequest(host_id="host-1", incarnation=inc1)
+        replies = list(running.stub().Heartbeat(iter([first, second]), timeout=5))
+        told = [r.reason for r in replies if r.command == pb.COMMAND_REREGISTER]
+        assert told and f"a heartbeat stream belongs to host-1 incarnation {inc1}" in told[0], replies
+    # Past the coordinator's flush of steps (every second): no step from the second messages counted.
+    hold(1.5, lambda: _assert_true(all(m.last_step < 10**6 for m in running.members().values())))
+    after = running.members()
+    assert (after["host-0"].incarnation, after["host-1"].incarnation) == (inc0, inc1)
+    assert after["host-0"].state == after["host-1"].state == pb.MEMBER_STATE_ALIVE
+
+
 def test_a_second_stream_for_a_host_opened_and_cancelled_never_makes_the_live_host_dead(
     running: Cluster,
 ) -> None:
@@ -197,6 +217,10 @@ def test_acknowledgements_on_a_heartbeat_stream_are_answered_on_it_refusals_too(
     assert "names host-0" in answers[1].details
     assert "finite" in answers[2].details
     assert snapshot(running) == before
+
+
+def _assert_true(condition: bool) -> None:
+    assert condition
 
 
 def _unchanged(c: Cluster, before: tuple[object, ...]) -> None:

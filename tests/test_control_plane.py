@@ -827,3 +827,43 @@ def stored_steps(cluster: Cluster) -> dict[str, int]:
 
 def _assert_equal(got: object, expected: object) -> None:
     assert got == expected
+
+
+def test_a_writer_of_a_superseded_epoch_is_refused_over_rpc_and_its_successor_accepted(
+    cluster: Cluster,
+) -> None:
+    """A writer paused through an epoch change (its host still a member, same incarnation) asks to
+    commit for the epoch it knew: refused, naming the current one, and nothing is recorded; the same
+    call for the current epoch is accepted."""
+    cluster.start_coordinator("--world-size", "2")
+    hosts = [GrpcHost(cluster, "host-0", 4), GrpcHost(cluster, "host-1", 4), GrpcHost(cluster, "spare-0", 4)]
+    try:
+        old = cluster.wait_epoch(1, timeout=15).epoch
+        writer = hosts[0]
+        operator = cluster.stub()
+        operator.Drain(
+            pb.DrainRequest(host_id="host-1", reason="epoch change under a paused writer"), timeout=5
+        )
+        new = wait_for(lambda: (t := cluster.topology()).epoch > old and t, 15, "the next epoch")
+        assert "host-0" in [m.host_id for m in new.members]
+
+        def commit(epoch: int) -> pb.CommitCheckpointResponse:
+            return writer.stub.CommitCheckpoint(
+                pb.CommitCheckpointRequest(
+                    host_id="host-0", incarnation=writer.incarnation, epoch=epoch, step=4, tier="local"
+                ),
+                timeout=5,
+            )
+
+        with pytest.raises(grpc.RpcError) as refused:
+            commit(old)
+        assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        assert f"stale epoch {old}: epoch {new.epoch} is current" in (refused.value.details() or "")
+        committed = [e for e in cluster.events() if e.type == pb.EVENT_TYPE_CHECKPOINT_COMMITTED]
+        assert committed == []
+        commit(new.epoch)
+        committed = [e for e in cluster.events() if e.type == pb.EVENT_TYPE_CHECKPOINT_COMMITTED]
+        assert [(e.epoch, e.details["step"]) for e in committed] == [(new.epoch, "4")]
+    finally:
+        for host in hosts:
+            host.stop()

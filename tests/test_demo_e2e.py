@@ -205,7 +205,10 @@ def test_demo_survives_two_failures_in_a_row_one_of_them_the_host_of_process_0(t
     assert first["rank"] == 0
     assert second["epoch_before"] >= first["epoch_after"]
     said = [
-        m.groups() for log in (tmp_path / "logs").iterdir() for m in CADENCE_LINE.finditer(log.read_text())
+        m.groups()
+        for log in (tmp_path / "logs").rglob("*")
+        if log.is_file()
+        for m in CADENCE_LINE.finditer(log.read_text(errors="replace"))
     ]
     assert ("5", "assumed until a failure is observed") in said, said  # before any failure
     observed = [int(every) for every, source in said if source == "observed by the coordinator"]
