@@ -212,7 +212,9 @@ def policy_for(snapshots: bool, args: argparse.Namespace, shm: Path) -> Any:
 
     if not snapshots:
         return Policy(snapshots_kept=0, buddy_every=0, snapshot_every=10**9, shm_dir=None)
-    return Policy(snapshot_every=args.snapshot_every, buddy_every=0, shm_dir=str(shm))
+    return Policy(
+        snapshot_every=args.snapshot_every, buddy_every=0, shm_dir=None if args.no_shm else str(shm)
+    )
 
 
 def run_round(model: Model, snapshots: bool, args: argparse.Namespace, shm: Path) -> dict[str, Any]:
@@ -589,6 +591,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2, help="rounds of each mode (off, on, off, on, ...)")
     parser.add_argument("--snapshot-every", type=int, default=10, help="K: a snapshot every K steps")
     parser.add_argument("--devices", type=int, default=1, help="devices this process uses")
+    parser.add_argument(
+        "--no-shm",
+        action="store_true",
+        help="snapshots stay in the process, no /dev/shm file: what the host copy costs without the file",
+    )
     parser.add_argument(
         "--kill-at", type=int, default=0, help="SIGKILL the job's trainer after this step (default 2.5 K)"
     )
