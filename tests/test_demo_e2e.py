@@ -138,6 +138,8 @@ def test_demo_recovers_a_killed_host_and_reports_what_the_event_log_says(tmp_pat
         events = stored_events(server.url, report["run"]["job"])
     assert_nothing_left(mark)
     assert not list(Path("/dev/shm").glob(f"remesh-{report['run']['job']}-*")), "snapshots left in /dev/shm"
+    # The throwaway CA's certificates stay with the logs; its key and every identity's do not.
+    assert (tmp_path / "logs" / "pki" / "ca.pem").is_file() and not list(tmp_path.rglob("*-key.pem"))
     s = report["summary"]
     assert s["failures"] == 1 and s["recovered"] == 1
     assert s["last_epoch"] > s["first_epoch"]

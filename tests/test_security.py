@@ -7,9 +7,12 @@ neither the state nor the event log.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import stat
+import subprocess
+import sys
 import threading
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -254,6 +257,17 @@ def test_the_trainers_local_api_is_a_socket_only_the_agents_user_can_reach(job: 
     assert not socket_path.parent.exists()  # removed on the way out
 
 
+@pytest.mark.parametrize("listen", ["0.0.0.0:0", ":0", "10.0.0.1:7000", "[::]:7000"])
+def test_the_trainers_local_api_is_never_offered_beyond_this_machine(listen: str) -> None:
+    """It has no authentication: an agent told to listen on any other address refuses to start."""
+    done = subprocess.run(
+        [sys.executable, "-m", "remesh.cli", "agent", "--insecure", "--host-id", "h", "--local-listen", listen, "--", "true"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "may not listen beyond this machine" in done.stdout + done.stderr
+
+
 @pytest.mark.integration
 def test_threads_asking_for_the_same_identity_at_once_get_one_matching_key_and_certificate(
     tmp_path: Path,
@@ -318,3 +332,74 @@ def test_the_coordinator_takes_rotated_certificate_files_without_a_restart(
     wait_for(lambda: topology_as(new) is None, 10, "the new certificate to be served")
     assert topology_as(old) == grpc.StatusCode.UNAVAILABLE
     assert proc.alive()
+
+
+def certs(out: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "remesh.cli", "certs", "--out", str(out), "--host", "host-0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_certs_keep_keys_only_where_nobody_else_may_write_or_read(tmp_path: Path) -> None:
+    fresh = certs(tmp_path / "new")
+    assert fresh.returncode == 0, fresh.stdout + fresh.stderr
+    assert stat.S_IMODE((tmp_path / "new").stat().st_mode) == 0o700
+    assert {stat.S_IMODE(k.stat().st_mode) for k in (tmp_path / "new").glob("*-key.pem")} == {0o600}
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # as /tmp is: another user could have made it, and put a CA of theirs in it
+    refused = certs(shared)
+    assert refused.returncode == 2 and "others may write to it" in refused.stdout, refused.stdout
+    assert not list(shared.iterdir())
+    leaked = tmp_path / "leaked"
+    leaked.mkdir(mode=0o700)
+    (leaked / "ca-key.pem").write_text("a key others could read")
+    (leaked / "ca-key.pem").chmod(0o644)
+    refused = certs(leaked)
+    assert refused.returncode == 2 and "ca-key.pem may be read by others" in refused.stdout, refused.stdout
+    if os.getuid() == 0:  # CI runs as root: a directory given to another user
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o700)
+        os.chown(theirs, 65534, 65534)
+        refused = certs(theirs)
+        assert refused.returncode == 2 and "another user (uid 65534) owns it" in refused.stdout
+
+
+def test_a_private_key_others_may_read_is_warned_of(tmp_path: Path) -> None:
+    import argparse
+
+    from structlog.testing import capture_logs
+
+    from remesh.cli.tls_options import tls_from_args
+
+    tls = DevPki(tmp_path / "pki").tls(Role.HOST, "host-0")
+    args = argparse.Namespace(
+        tls_ca=str(tls.ca_file), tls_cert=str(tls.cert_file), tls_key=str(tls.key_file), insecure=False
+    )
+    with capture_logs() as quiet:
+        tls_from_args(args)
+    assert quiet == []
+    tls.key_file.chmod(0o644)
+    with capture_logs() as said:
+        tls_from_args(args)
+    assert [e["event"] for e in said] == [
+        "the private key may be read by other users: anyone who reads it holds this identity"
+    ]
+    assert said[0]["hint"] == f"chmod 600 {tls.key_file}"
+
+
+def test_a_redis_password_on_the_command_line_is_warned_of() -> None:
+    """Every local user may read a process's command line; the coordinator says so, and where the
+    password goes instead (it then fails to reach this Redis, which nobody serves)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "remesh.cli", "coordinator", "--insecure", "--redis", "redis://:sekrit@127.0.0.1:1/0", "--listen", "127.0.0.1:0"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode == 2, out
+    assert "the Redis password in --redis is on this process's command line" in out
+    assert "REMESH_REDIS_PASSWORD or --redis-password-file" in out
+    assert "sekrit" not in out  # the password itself is never logged

@@ -12,6 +12,12 @@ in the certificate's subject alternative names, ``spiffe://<trust domain>/<role>
   leader hint) finds no coordinator there unless that server holds a coordinator certificate.
 
 Without certificates a component runs only when told ``--insecure`` (local experiments), and says so.
+
+What a server accepts as a client certificate is narrower than what TLS verifies
+(``peer_identity``): a leaf (not a CA certificate) issued directly by a CA the server trusts (no
+intermediate), allowed for client authentication (extended key usage clientAuth), naming exactly one
+identity of the trust domain, with no control character in it. A certificate of the same CA that is
+none of these identifies nobody.
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.x509.oid import ExtendedKeyUsageOID
 
 __all__ = [
     "COORDINATOR_NAME",
@@ -35,6 +44,8 @@ __all__ = [
     "Tls",
     "aio_channel",
     "channel",
+    "load_cas",
+    "peer_identity",
 ]
 
 # The DNS name in every coordinator certificate, checked by every client instead of the address it
@@ -42,7 +53,9 @@ __all__ = [
 COORDINATOR_NAME = "coordinator.remesh"
 TRUST_DOMAIN = "remesh.local"
 
-_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+# Characters no identity URI holds: a NUL would cut the URI short where the TLS library reports it.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 class Role(enum.StrEnum):
@@ -58,7 +71,7 @@ class Identity:
     name: str
 
     def __post_init__(self) -> None:
-        if not _NAME.match(self.name):
+        if not _NAME.fullmatch(self.name):
             raise ValueError(f"identity name {self.name!r}: 1-128 characters of A-Z a-z 0-9 . _ -")
 
     def uri(self, trust_domain: str = TRUST_DOMAIN) -> str:
@@ -78,6 +91,64 @@ class Identity:
             return cls(Role(role), name)
         except ValueError:
             return None
+
+
+def load_cas(pem: bytes) -> list[x509.Certificate]:
+    """Every certificate of a CA bundle (PEM)."""
+    return x509.load_pem_x509_certificates(pem)
+
+
+def peer_identity(pem: bytes, cas: Sequence[x509.Certificate], trust_domain: str = TRUST_DOMAIN) -> Identity:
+    """The identity a client certificate (PEM, as TLS verified it) stands for, or ``ValueError`` saying
+    why it stands for none: a CA certificate, one not allowed for client authentication, one issued
+    by anything but one of ``cas`` itself (an intermediate CA, however it chains), or one that does
+    not name exactly one well-formed identity of ``trust_domain``."""
+    cert = x509.load_pem_x509_certificate(pem)
+    try:
+        constraints = cert.extensions.get_extension_for_class(x509.BasicConstraints).value
+    except x509.ExtensionNotFound:
+        constraints = None
+    if constraints is not None and constraints.ca:
+        raise ValueError("the client certificate is a CA certificate (CA:TRUE): a client presents a leaf")
+    try:
+        usage = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound:
+        usage = None
+    if usage is None or ExtendedKeyUsageOID.CLIENT_AUTH not in usage:
+        raise ValueError(
+            "the client certificate is not allowed for client authentication (extended key usage "
+            "clientAuth): issue it with `remesh certs`, or with that usage"
+        )
+    if cas and not any(_issued_by(cert, ca) for ca in cas):
+        raise ValueError(
+            "the client certificate was not issued by the remesh CA itself (a certificate issued by an "
+            "intermediate CA identifies nobody)"
+        )
+    try:
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        uris = names.get_values_for_type(x509.UniformResourceIdentifier)
+    except x509.ExtensionNotFound:
+        uris = []
+    ours = [u for u in uris if u.startswith(f"spiffe://{trust_domain}/")]
+    if len(ours) != 1:
+        raise ValueError(
+            f"the client certificate names {len(ours)} remesh identities (spiffe://{trust_domain}/<role>/"
+            "<name>); it must name exactly one"
+        )
+    if _CONTROL.search(ours[0]):
+        raise ValueError("the client certificate's identity holds control characters")
+    identity = Identity.parse(ours[0], trust_domain)
+    if identity is None:
+        raise ValueError(f"the client certificate's identity {ours[0][:160]!r} is no remesh role and name")
+    return identity
+
+
+def _issued_by(cert: x509.Certificate, ca: x509.Certificate) -> bool:
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature):
+        return False
+    return True
 
 
 def _env(env: Mapping[str, str], name: str) -> str:

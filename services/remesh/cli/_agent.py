@@ -96,8 +96,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--local-listen",
         default="",
-        help="host:port (TCP: any local user can reach it) or unix:/path of the local API for the "
-        "trainer; default: a Unix socket in a directory only this user may enter",
+        help="unix:/path, or a loopback host:port (TCP: any local user can reach it, and speak for the "
+        "trainer), of the local API for the trainer; default: a Unix socket in a directory only this "
+        "user may enter. It has no authentication: any other address is refused",
     )
     p.add_argument(
         "--metrics-port",
@@ -134,6 +135,16 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("invalid TLS settings", error=str(exc))
         return 2
+    if args.local_listen and not args.local_listen.startswith("unix:"):
+        host = args.local_listen.rsplit(":", 1)[0] if ":" in args.local_listen else args.local_listen
+        if not _loopback(host):
+            log.error(
+                "the trainers' local API has no authentication: it may not listen beyond this machine",
+                local_listen=args.local_listen,
+                hint="leave --local-listen out (a Unix socket only this user reaches), or give "
+                "unix:/PATH or 127.0.0.1:PORT",
+            )
+            return 2
     coordinators = tuple(a.strip() for a in args.coordinator.split(",") if a.strip())
     if _loopback(args.address) and not all(_on_this_machine(a) for a in coordinators):
         log.warning(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,10 @@ def run(args: argparse.Namespace) -> int:
     if not asked:
         print("error: name at least one identity (--coordinator, --host, --operator or --reader)")
         return 2
+    refused = _unsafe(args.out)
+    if refused:
+        print(f"error: refusing to keep private keys in {args.out}: {refused}")
+        return 2
     try:
         pki = DevPki(args.out, trust_domain=args.trust_domain)
         for role, name in asked:
@@ -57,3 +63,27 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}")
         return 2
     return 0
+
+
+def _unsafe(out: Path) -> str | None:
+    """Why ``out`` is no place for private keys (None: it is, or it was made now for this user
+    alone): a directory another user owns or may write to could swap the CA this writes under, or
+    read the keys; a CA key already there that others may read is no secret any more."""
+    if not out.exists():
+        out.mkdir(mode=0o700, parents=True)
+        return None
+    info = out.stat()
+    if not stat.S_ISDIR(info.st_mode):
+        return "it is not a directory"
+    if info.st_uid != os.getuid():
+        return f"another user (uid {info.st_uid}) owns it: use a directory of your own"
+    if stat.S_IMODE(info.st_mode) & 0o022:
+        return (
+            f"others may write to it (mode {oct(stat.S_IMODE(info.st_mode))}): chmod go-w it, or use another"
+        )
+    for key in out.glob("*-key.pem"):
+        if stat.S_IMODE(key.stat().st_mode) & 0o077:
+            return (
+                f"{key.name} may be read by others: it is no secret any more; start from an empty directory"
+            )
+    return None

@@ -9,6 +9,7 @@ import signal
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import structlog
 
@@ -228,6 +229,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("invalid TLS settings", error=str(exc))
         return 2
+    if urlsplit(args.redis).password:
+        log.warning(
+            "the Redis password in --redis is on this process's command line, which every local user "
+            "may read (/proc/PID/cmdline, ps)",
+            hint="pass it in REMESH_REDIS_PASSWORD or --redis-password-file, and leave it out of the URL",
+        )
     embedded = None
     if args.redis == "embedded":
         # On a Unix socket: a private server needs no TCP port (and some hosts allow none).

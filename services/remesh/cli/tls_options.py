@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
+
+import structlog
 
 from remesh.v1.security import Tls
 
 __all__ = ["add_tls_arguments", "tls_from_args"]
+
+log = structlog.get_logger("remesh.cli")
 
 ENV_INSECURE = "REMESH_INSECURE"
 
@@ -42,4 +47,16 @@ def tls_from_args(args: argparse.Namespace) -> Tls | None:
             "REMESH_TLS_CERT, REMESH_TLS_KEY; `remesh certs --out DIR` writes a development set), "
             "or --insecure for a local experiment"
         )
+    if tls is not None:
+        try:
+            mode = stat.S_IMODE(os.stat(tls.key_file).st_mode)
+        except OSError:
+            mode = 0
+        if mode & 0o077:
+            log.warning(
+                "the private key may be read by other users: anyone who reads it holds this identity",
+                key=str(tls.key_file),
+                mode=oct(mode),
+                hint=f"chmod 600 {tls.key_file}",
+            )
     return tls

@@ -209,7 +209,11 @@ async def serve_relay(
     every follower must present a host certificate of the job's CA, for its own host. A follower
     that leaves what was written to it unread for ``follower_timeout_s`` loses its connection."""
     metrics = RelayMetrics()
-    servicer = RelayServicer(Authorizer(metrics, secure=tls is not None), keepalive_s, metrics)
+    servicer = RelayServicer(
+        Authorizer(metrics, secure=tls is not None, ca_file=tls.ca_file if tls else None),
+        keepalive_s,
+        metrics,
+    )
     server = grpc.aio.server(
         maximum_concurrent_rpcs=max_followers,
         options=relay_server_options(max_followers, follower_timeout_s),

@@ -92,7 +92,10 @@ async def serve(settings: Settings, tls: Tls | None) -> RunningCoordinator:
     server = grpc.aio.server(
         maximum_concurrent_rpcs=_concurrent_calls(settings), options=server_options(settings)
     )
-    servicer = CoordinatorServicer(coordinator, Authorizer(coordinator.metrics, secure=tls is not None))
+    servicer = CoordinatorServicer(
+        coordinator,
+        Authorizer(coordinator.metrics, secure=tls is not None, ca_file=tls.ca_file if tls else None),
+    )
     add_servicer(servicer, server)
     health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

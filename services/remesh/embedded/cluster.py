@@ -336,6 +336,11 @@ class LocalCluster:
             except Exception as exc:  # keep going: every other process must still be stopped
                 print(f"could not stop pid {proc.pid}: {exc}", file=sys.stderr)
         self.clear_snapshots()
+        if self._pki is not None:
+            # The throwaway CA's key, and every identity's, go with the job: whoever reads what it
+            # left (the demo's --out) afterwards cannot issue or hold an identity it trusted.
+            for key in self._pki.directory.glob("*-key.pem"):
+                key.unlink(missing_ok=True)
 
     def clear_snapshots(self) -> None:
         """Remove the host-memory snapshots this job's trainers left in /dev/shm (they outlive them)."""
