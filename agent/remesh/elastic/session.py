@@ -104,8 +104,16 @@ PyTree = Any
 
 
 class Session:
-    """Trains through every epoch the agent assigns this host (see the module's docstring).
+    """Trains through every epoch the agent assigns this host (see the module's docstring); started
+    without an agent (``REMESH_AGENT_ADDRESS`` unset) it runs as a job of one host.
 
+    ``init_state``: a function of no arguments that builds the state, a pytree of JAX arrays. It is
+    traced with ``jax.eval_shape`` first (for the state's shapes and dtypes, before any device is
+    used) and called under ``jax.jit`` only where no saved step is restored, so it must build its
+    arrays with ``jax.numpy``/``jax.random``, not NumPy (``np.asarray`` of a traced array raises).
+    ``devices_per_host``: the devices of each host (on CPU, XLA is given that many). ``train_step``
+    and ``batch_for_step`` or ``data``: for ``run``; ``epochs`` leaves the loop to you.
+    ``checkpoints``: where checkpoints are committed (``LocalCheckpoints``, GCS), if anywhere.
     ``policy``: how it recovers; ``schedule``: when snapshots and buddy copies are taken (by default
     ``SnapshotSchedule.of(policy)``); ``faults``: faults to inject, for tests and benchmarks only
     (none by default; built at the entry point, e.g. ``Faults.from_env()``)."""
