@@ -28,7 +28,10 @@ restored per tier are reported. The full restart restores the sharded checkpoint
 Prints a table and, as its last line, a JSON object with inplace_mttr_p50_s,
 agent_restart_mttr_p50_s, full_restart_mttr_p50_s, inplace_vs_full_ratio, lost_steps_max, trials,
 state_mb, sharding and inplace_bytes_by_tier (median over trials of the bytes all members restored
-from each tier).
+from each tier); and what a failure costs in all, since the steps a recovery replays are paid again:
+inplace_compile_p50_s (the compile phase of the in-place recoveries), inplace_replayed_steps_max,
+healthy_step_s_p50, and inplace_cost_vs_full_ratio: (MTTR + steps replayed x healthy step) of the
+in-place recoveries over the same of the full restarts, medians.
 """
 
 from __future__ import annotations
@@ -362,6 +365,17 @@ def main() -> int:
     inplace, _ = summary(trials, "in-place")
     restart, _ = summary(trials, "agent-restart")
     full, _ = summary(trials, "full restart")
+    healthy = statistics.median([t.phases["healthy_step"] for t in trials if "healthy_step" in t.phases])
+
+    def cost(kind: str) -> float:
+        """What a failure cost the job: its MTTR plus the steps it replayed, at a healthy step each."""
+        return statistics.median(t.mttr + t.lost_steps * healthy for t in trials if t.kind == kind)
+
+    cost_ratio = cost("in-place") / cost("full restart")
+    print(
+        f"\ncost of a failure (MTTR + replayed steps x {healthy:.3f}s), median: in place "
+        f"{cost('in-place'):.2f}s, full restart {cost('full restart'):.2f}s, ratio {cost_ratio:.3f}"
+    )
     result = {
         "inplace_mttr_p50_s": round(inplace, 3),
         "agent_restart_mttr_p50_s": round(restart, 3),
@@ -372,9 +386,12 @@ def main() -> int:
         "trials": args.trials,
         # Seconds per step before each kill (including --step-sleep): the first step on the new
         # topology, part of the MTTR, takes about this long however fast the recovery.
-        "healthy_step_s_p50": round(
-            statistics.median([t.phases["healthy_step"] for t in trials if "healthy_step" in t.phases]), 3
+        "healthy_step_s_p50": round(healthy, 3),
+        "inplace_compile_p50_s": round(
+            statistics.median([t.phases.get("compile", 0.0) for t in trials if t.kind == "in-place"]), 3
         ),
+        "inplace_replayed_steps_max": max(t.lost_steps for t in trials if t.kind == "in-place"),
+        "inplace_cost_vs_full_ratio": round(cost_ratio, 3),
         "state_mb": round(mb, 1),
         "sharding": args.sharding,
         "inplace_bytes_by_tier": {

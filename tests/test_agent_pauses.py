@@ -69,5 +69,9 @@ def test_a_whole_machine_stopped_past_every_timeout_re_forms_nothing(cluster: Cl
     events = assert_no_events(cluster, 5.0, nobody_judged)
     assert events == before
     assert all(a.alive() for a in agents)
-    paused = [a for a in agents if "the agent itself was paused" in a.log_path.read_text()]
-    assert paused, "an agent saw its own pause"
+    # No agent took its own pause for the coordinator's silence. Whether an agent had to look (its
+    # silence timer fired before the keepalive waiting on its socket was read, and it logged "the
+    # agent itself was paused") is the scheduler's call on resuming: one fresh-clone suite run had
+    # neither agent look, so that line is no condition of this test.
+    logs = {a.log_path.name: a.log_path.read_text() for a in agents}
+    assert not [name for name, log in logs.items() if "sent nothing for" in log], logs
