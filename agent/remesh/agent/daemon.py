@@ -881,20 +881,22 @@ class Agent:
         elif not result.stopped:
             self.log.info("trainer exit needs nothing", reason=decision.reason, code=result.returncode)
 
+    def _fault_request(self, fault: Fault, epoch: int, exit_code: int, detail: str) -> pb.ReportFaultRequest:
+        return pb.ReportFaultRequest(
+            host_id=self.settings.host_id,
+            incarnation=self.incarnation,
+            kind=_FAULT_KINDS[fault],
+            epoch=epoch,
+            exit_code=exit_code,
+            detail=detail,
+        )
+
     async def _record_restart(self, epoch: int, exit_code: int, reason: str) -> None:
         """Tell the coordinator why the trainer asked for a fresh process: an event for operators
         (FAULT_KIND_TRAINER_RESTARTED), never charged to the host; its answer changes nothing here."""
         try:
             reply = await self._connect().ReportFault(
-                pb.ReportFaultRequest(
-                    host_id=self.settings.host_id,
-                    incarnation=self.incarnation,
-                    kind=_FAULT_KINDS[Fault.TRAINER_RESTARTED],
-                    epoch=epoch,
-                    exit_code=exit_code,
-                    detail=reason,
-                ),
-                timeout=5,
+                self._fault_request(Fault.TRAINER_RESTARTED, epoch, exit_code, reason), timeout=5
             )
         except grpc.aio.AioRpcError as exc:
             self.log.warning(
@@ -907,15 +909,7 @@ class Agent:
         assert fault.fault is not None
         try:
             reply = await self._connect().ReportFault(
-                pb.ReportFaultRequest(
-                    host_id=self.settings.host_id,
-                    incarnation=self.incarnation,
-                    kind=_FAULT_KINDS[fault.fault],
-                    epoch=fault.epoch,
-                    exit_code=exit_code,
-                    detail=fault.reason,
-                ),
-                timeout=5,
+                self._fault_request(fault.fault, fault.epoch, exit_code, fault.reason), timeout=5
             )
         except grpc.aio.AioRpcError as exc:
             self.log.warning("could not report the trainer fault", code=exc.code().name, detail=exc.details())
