@@ -159,7 +159,12 @@ def test_no_identity_can_act_for_another_host_or_beyond_its_role(job: Cluster) -
     for name, call in attacks:
         code, details = refused(call)
         assert code == DENIED, (name, code, details)
-        assert details, name
+        # The refusal names who asked and what it may not do: its own identity and the rule.
+        who = "reader/dashboards" if name.startswith("a reader") else f"host/{attacker}"
+        assert who in details and ("may not call" in details or "may act for host" in details), (
+            name,
+            details,
+        )
     assert snapshot(job) == before
     # A reader reads, and every refusal was counted by method.
     assert reader.ListMembers(pb.ListMembersRequest(), timeout=5).members
