@@ -50,6 +50,19 @@ def stub(
     return pb_grpc.CoordinatorStub(cluster.channel(role, name, address))
 
 
+def coordinator_health(cluster: Cluster, address: str) -> int:
+    """The replica's gRPC health of the ``remesh.v1.Coordinator`` service (SERVING while it leads)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    channel = cluster.channel(security.Role.OPERATOR, "operator", address)
+    try:
+        health = health_pb2_grpc.HealthStub(channel)
+        reply = health.Check(health_pb2.HealthCheckRequest(service="remesh.v1.Coordinator"), timeout=5)
+        return int(reply.status)
+    finally:
+        channel.close()
+
+
 def trailing(exc: grpc.RpcError) -> dict[str, str]:
     """A refusal's trailing metadata (where a follower names the leader)."""
     pairs: Any = exc.trailing_metadata() or ()  # (key, value) tuples at run time, whatever the stubs say
@@ -151,6 +164,19 @@ def test_followers_serve_reads_then_sigkill_of_the_leader_a_follower_leads_evict
         assert trailing(refused.value)["remesh-leader"] == old
         assert f"the leader is at {old}" in (refused.value.details() or "")
     assert "late-host" not in cluster.members(), "a refused write changes nothing"
+    # What a load balancer asks: the Coordinator service is SERVING on the leader alone. The
+    # health service's own "" stays SERVING on every replica while its process serves.
+    from grpc_health.v1 import health_pb2
+
+    SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    wait_for(
+        lambda: (
+            {a: coordinator_health(cluster, a) for a in r.procs}
+            == {a: SERVING if a == old else NOT_SERVING for a in r.procs}
+        ),
+        10,
+        "the Coordinator service SERVING on the leader only",
+    )
     for host in cluster.agents:
         log = cluster.agents[host].output()
         assert "coordinator is a follower" in log and "following=True" in log, log[-2000:]
@@ -169,6 +195,14 @@ def test_followers_serve_reads_then_sigkill_of_the_leader_a_follower_leads_evict
         cluster, before, events_before, led_at + DETECTOR.failover_grace_s, DETECTOR.heartbeat_timeout_s
     )
     assert "role=leader" in r.procs[new].output()
+    wait_for(
+        lambda: (
+            {a: coordinator_health(cluster, a) for a in r.live()}
+            == {a: SERVING if a == new else NOT_SERVING for a in r.live()}
+        ),
+        10,
+        "the new leader SERVING, the rest not",
+    )
 
     # The new leader recovers a host failure as usual: the spare takes its rank in epoch 2, and a
     # topology watch on the remaining follower (which mirrors Redis) sees it too.
