@@ -8,7 +8,9 @@ import asyncio
 import contextlib
 import queue
 import random
+import signal
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 
 import grpc
@@ -228,7 +230,12 @@ def _live(cluster: Cluster, epoch: int) -> bool:
 
 @pytest.mark.integration
 @pytest.mark.timeout(180)
-def test_agents_take_epochs_from_their_relay_and_from_the_coordinator_once_it_dies(cluster: Cluster) -> None:
+@pytest.mark.parametrize("how", ["killed", "silent"])
+def test_agents_take_epochs_from_their_relay_and_from_the_coordinator_once_it_dies(
+    cluster: Cluster, how: str
+) -> None:
+    """``how`` the relay goes: SIGKILLed (its streams end), or SIGSTOPped (silent: its streams stay
+    open and say nothing; each agent notices within its relay silence timeout, 20 s)."""
     cluster.start_coordinator("--world-size", "2")
     relay, address = cluster.start_relay()
     hosts = ["host-0", "host-1", "spare-0", "spare-1"]
@@ -250,12 +257,24 @@ def test_agents_take_epochs_from_their_relay_and_from_the_coordinator_once_it_di
         # Through the relay only: the coordinator wrote epoch 2 on none of their heartbeat streams.
         assert _said(cluster, h, 2) == ["relay"], (h, _said(cluster, h, 2))
 
-    relay.kill()  # SIGKILL: the relay's followers go back to their heartbeat streams
+    if how == "killed":
+        relay.kill()  # SIGKILL: the relay's followers go back to their heartbeat streams
+    else:
+        relay.signal_group(signal.SIGSTOP)
+    stopped = time.monotonic()
     wait_for(
         lambda: all("relay lost" in cluster.agents[h].output() for h in ("host-0", "spare-0", "spare-1")),
-        30,
+        30 if how == "killed" else 20 + 15,
         "the agents to notice the relay gone",
     )
+    if how == "silent":
+        # Noticed by its silence, not sooner (it broke no stream), and within the timeout and a
+        # moment.
+        assert time.monotonic() - stopped >= 20 - 1
+        assert all(
+            "the relay sent nothing for 20.0s" in cluster.agents[h].output()
+            for h in ("host-0", "spare-0", "spare-1")
+        )
     cluster.agents["host-0"].kill()
     third = cluster.wait_epoch(3, timeout=30)
     assert {m.host_id for m in third.members} == {"spare-0", "spare-1"}
