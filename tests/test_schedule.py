@@ -168,3 +168,16 @@ def test_the_coordinators_failure_interval_is_the_time_since_forming_over_the_re
     assert Assignment(1, "h", 0, 2, "", -1).failure_interval_s(1000.0) is None
     assert Assignment(3, "h", 0, 2, "", 5, formed_at=400.0, recoveries=0).failure_interval_s(1000.0) is None
     assert Assignment(3, "h", 0, 2, "", 5, formed_at=400.0, recoveries=2).failure_interval_s(1000.0) == 300.0
+
+
+def test_what_a_failure_replays_is_said_from_the_interval_snapshots_fit_in_when_longer() -> None:
+    """On an accelerator a 2 GB snapshot took 41 steps at K = 10: the replay said must be that, not 9."""
+    schedule = SnapshotSchedule(10)
+    schedule.begin(0)
+    assert schedule.expected()["replay_max_steps"] == 9  # nothing timed yet: the interval asked
+    for step in range(1, 12):
+        schedule.step_completed(step, 0.06)
+    schedule.snapshot_kept(10, 2.5)  # 2.5 s at 60 ms a step: fits in no fewer than 42 steps
+    assert schedule.expected()["replay_max_steps"] == 41
+    schedule.begin(40)  # a new epoch: the last one's timing still says what a failure replays
+    assert schedule.expected()["replay_max_steps"] == 41

@@ -67,6 +67,8 @@ class SnapshotSchedule:
         self.mtbf_s = mtbf_s
         # The failure interval the coordinator observes, asked at each proposal (None: none yet).
         self._observed: Callable[[], float | None] = lambda: None
+        # The least interval the snapshots of an earlier epoch fit in (None: none timed yet).
+        self._fits: int | None = None
         self.cadence = self._cadence(0)
         # The (asked, kept) intervals warned of (``snapshot_kept``), across epochs.
         self._told: set[tuple[int, int]] = set()
@@ -121,7 +123,9 @@ class SnapshotSchedule:
 
     def begin(self, since: int) -> None:
         """An epoch begins at step ``since``: the cadence begins anew (measured afresh, agreed afresh),
-        and says what a failure would replay."""
+        and says what a failure would replay. The least interval the last epoch's snapshots fit in is
+        kept for that: a K they do not fit in is not the interval kept."""
+        self._fits = self.cadence.fits_every() or self._fits
         self.cadence = self._cadence(since)
         log.info("snapshot cadence", since=since, **self.expected())
 
@@ -145,14 +149,17 @@ class SnapshotSchedule:
 
     def expected(self) -> dict[str, object]:
         """What the cadence means for a failure now, for the start-up line and the agreement's: the
-        steps a failure replays at most (K - 1) and on average, and the failure interval weighed."""
+        steps a failure replays at most and on average (K - 1, where K is the interval asked, or the
+        least one the snapshots were seen to fit in, if longer: those kept are that far apart), and
+        the failure interval weighed."""
         every = self.cadence.every
+        kept = max(every, self.cadence.fits_every() or self._fits or every)
         mtbf, source = self.failure_interval()
         return {
             "every": every,
             "automatic": self.automatic,
-            "replay_max_steps": every - 1,
-            "replay_mean_steps": (every - 1) / 2,
+            "replay_max_steps": kept - 1,
+            "replay_mean_steps": (kept - 1) / 2,
             "mtbf_s": round(mtbf, 1) if self.automatic else None,
             "mtbf_from": source if self.automatic else None,
         }
