@@ -35,6 +35,7 @@ from tests.procs import Cluster, wait_for
 HOST0 = Identity(Role.HOST, "host-0")
 OPERATOR = Identity(Role.OPERATOR, "alice")
 READER = Identity(Role.READER, "dashboards")
+COORDINATOR = Identity(Role.COORDINATOR, "c0")
 
 # ---- the policy, pure ---------------------------------------------------------------------------
 
@@ -67,6 +68,19 @@ READER = Identity(Role.READER, "dashboards")
         (READER, "Drain", "host-1", False),
         (None, "GetTopology", None, False),
         (OPERATOR, "NoSuchMethod", None, False),
+        # A coordinator replica (or a relay, which runs with a coordinator certificate) reads, and
+        # follows the topology, but acts for no host and drains nothing.
+        (COORDINATOR, "WatchTopology", None, True),
+        (COORDINATOR, "GetTopology", None, True),
+        (COORDINATOR, "ListMembers", None, True),
+        (COORDINATOR, "ReplayEvents", None, True),
+        (COORDINATOR, "Register", "c0", False),
+        (COORDINATOR, "Heartbeat", "c0", False),
+        (COORDINATOR, "ReportFault", "host-0", False),
+        (COORDINATOR, "CommitCheckpoint", "host-0", False),
+        (COORDINATOR, "Finish", "host-0", False),
+        (COORDINATOR, "Drain", "host-0", False),
+        (COORDINATOR, "FollowTopology", "host-0", False),
     ],
 )
 def test_the_policy_table(identity: Identity | None, method: str, host: str | None, allowed: bool) -> None:
