@@ -10,11 +10,16 @@ Nothing here does I/O or knows the wire format, so every rule is tested on its o
 from __future__ import annotations
 
 import enum
-import re
 import signal
 from dataclasses import dataclass, replace
 
-from remesh.v1.contract import ADDRESS_IN_USE_EXIT_CODE, RESTART_EXIT_CODE, STATE_LOST_EXIT_CODE, ExitNote
+from remesh.v1.contract import (
+    ADDRESS_IN_USE_EXIT_CODE,
+    RESTART_EXIT_CODE,
+    STATE_LOST_EXIT_CODE,
+    ExitNote,
+    one_line,
+)
 
 __all__ = [
     "LEASE_FLOOR_S",
@@ -256,7 +261,6 @@ def on_trainer_exit(
 # A fault report's detail is one plain line the coordinator accepts (it refuses control characters,
 # and text past 1,024 characters).
 _NOTE_CHARS = 800
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]+")
 
 
 def _said(result: TrainerExit) -> str:
@@ -264,8 +268,7 @@ def _said(result: TrainerExit) -> str:
     plain line, cut short where long."""
     if result.note is None:
         return ""
-    said = _CONTROL.sub(" ", f" ({result.note.why}: {result.note.reason})")
-    return said if len(said) <= _NOTE_CHARS else said[: _NOTE_CHARS - 2] + "…)"
+    return f" ({one_line(f'{result.note.why}: {result.note.reason}', _NOTE_CHARS)})"
 
 
 def on_fault_reply(*, member_dead: bool, fault_epoch: int, current_epoch: int) -> Decision:

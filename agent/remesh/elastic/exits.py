@@ -29,13 +29,13 @@ import contextlib
 import dataclasses
 import enum
 import os
-import re
 import sys
 import traceback
 from collections.abc import Mapping
 from types import TracebackType
 
 from remesh.v1.contract import Env, ExitNote
+from remesh.v1.contract import one_line as contract_one_line
 
 __all__ = ["EXIT_NOTE_ENV", "FIXES", "ExitNote", "Why", "describe", "note_uncaught", "one_line", "write_note"]
 
@@ -143,14 +143,11 @@ FIXES: Mapping[Why, str] = {
 # A reason is one line of at most this many characters: it travels in the agent's fault report,
 # whose text the coordinator bounds (1,024) and refuses with control characters in it.
 REASON_CHARS = 600
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]+")
 
 
 def one_line(text: str, limit: int = REASON_CHARS) -> str:
-    """``text`` as one plain line (control characters, newlines included, become a space) of at most
-    ``limit`` characters."""
-    line = _CONTROL.sub(" ", text).strip()
-    return line if len(line) <= limit else line[: limit - 1] + "…"
+    """``text`` as one plain line of at most ``limit`` characters (``contract.one_line``)."""
+    return contract_one_line(text, limit)
 
 
 def describe(exc: BaseException) -> str:

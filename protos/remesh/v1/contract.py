@@ -13,6 +13,7 @@ Each side imports these from here; none spells them out itself:
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -31,6 +32,7 @@ __all__ = [
     "Env",
     "ExitNote",
     "TrainerAssignment",
+    "one_line",
     "rank_of",
     "recovery_id",
     "snapshot_dir_name",
@@ -95,6 +97,16 @@ class Env:
     # A file of the agent's, one per trainer process, where the process leaves an ``ExitNote`` before
     # it exits asking for a fresh process (or for the job to halt): why, in words a user can act on.
     EXIT_NOTE = "REMESH_EXIT_NOTE"
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]+")
+
+
+def one_line(text: str, limit: int) -> str:
+    """``text`` as one plain line (control characters, newlines included, become a space) of at most
+    ``limit`` characters: what a trainer's reason may be in a report the coordinator takes."""
+    line = _CONTROL.sub(" ", text).strip()
+    return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
 @dataclass(frozen=True)
