@@ -1285,6 +1285,9 @@ class Soak:
         assert fault.ended_at is not None
         settle = fault.ended_at + s.settle_s
         limit = fault.ended_at + s.recovery_timeout_s
+        # A fault that needed no epoch is absorbed only once the job steps past where it stood when
+        # the fault ended: a trainer left dead with no epoch coming (seen once in CI) is no recovery.
+        stood = self._step()
         while True:
             events = self.monitor.poll()
             after = [e for e in events if e.time >= fault.started_at - 0.05]
@@ -1301,9 +1304,9 @@ class Soak:
                 for v in find_split_bursts(events, [fault]):
                     self._violate(v.check, v.message)
                 return
-            if not changed and now >= settle:
+            if not changed and now >= settle and self._step() > stood:
                 fault.outcome = "absorbed"
-                self._say(f"<<< fault {fault.index} absorbed: no epoch needed")
+                self._say(f"<<< fault {fault.index} absorbed: no epoch needed, the job stepped on")
                 return
             if now >= limit:
                 fault.outcome = "not recovered"

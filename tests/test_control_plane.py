@@ -22,7 +22,7 @@ import pytest
 from remesh.coordinator.membership import FaultKind
 from remesh.coordinator.model import ClusterState, Event, EventType, Member, Topology, replay
 from remesh.coordinator.model import Role as MemberRole
-from remesh.coordinator.observations import CollectiveFailureReport
+from remesh.coordinator.observations import CollectiveFailureReport, StallReport
 from remesh.coordinator.planner import Decision, Kind
 from remesh.coordinator.service import Coordinator
 from remesh.coordinator.settings import DetectorSettings, PlannerSettings, Settings
@@ -710,6 +710,41 @@ def test_a_collective_one_member_says_failed_waits_out_the_detection_window_then
     assert len([t for t, _ in seen if t < window]) >= 3  # it was looked at inside the window
     assert seen[-1][1] == epoch + 1 and seen[-1][0] >= window
     assert not dead
+
+
+def test_a_trainer_killed_while_blocked_waiting_for_its_peers_gets_a_new_epoch_though_nobody_is_blamed(
+    redis_server: RedisServer, job_id: str
+) -> None:
+    """host-a's trainer said it was blocked in a step (a slow peer), then died: collateral, its host
+    is not blamed and its agent waits for the next epoch. Nobody else fails (its peers wait for it),
+    so that next epoch must come from its death: the same members re-form once nobody was lost in
+    the detection window. Seen in CI's soak: without it the job waited for ever at one step."""
+
+    async def scenario() -> tuple[int, int, bool, str, list[Event]]:
+        async with two_members_in_a_live_epoch(redis_server, job_id) as (coordinator, a, b, epoch):
+            said = await coordinator.report_observation("host-a", a.incarnation, epoch, StallReport(step=7))
+            assert "blocked" in said
+            exited = await coordinator.report_fault(
+                "host-a", a.incarnation, FaultKind.TRAINER_EXITED, epoch, -9, ""
+            )
+            limit = time.monotonic() + PlannerSettings().reform_after_s + 5
+            while coordinator.state.epoch == epoch and time.monotonic() < limit:
+                await keep_beating(coordinator, [a, b], 0.2)
+            return (
+                epoch,
+                coordinator.state.epoch,
+                exited.member_dead,
+                exited.reason,
+                await read_events(redis_server, job_id),
+            )
+
+    epoch, new_epoch, dead, reason, events = asyncio.run(scenario())
+    assert not dead and reason.startswith("collateral: its trainer was blocked")
+    assert new_epoch == epoch + 1
+    assert not [e for e in events if e.type is EventType.MEMBER_DEAD]
+    changed = [e for e in events if e.type is EventType.TOPOLOGY_CHANGED][-1]
+    assert changed.topology is not None and changed.topology.host_ids == ("host-a", "host-b")
+    assert changed.details["decision"] == "reform"
 
 
 def test_hosts_whose_collective_fails_in_every_epoch_they_are_re_formed_into_halt_the_job(

@@ -476,6 +476,9 @@ def test_fault_while_another_member_is_failing_is_collateral(other: MemberState)
     assert not out.member_dead
     assert [e.type for e in out.events] == [EventType.FAULT_REPORTED]
     assert "collateral" in out.reason and "a0" in out.reason and "a2" not in out.reason
+    # Whether or not a0 is lost in the end, a1's trainer left the running epoch (a refuted suspect
+    # would otherwise leave it waiting for an epoch nobody forms).
+    assert out.left_epoch
 
 
 def test_a_failing_spare_does_not_make_a_fault_collateral() -> None:

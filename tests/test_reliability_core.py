@@ -294,8 +294,14 @@ def test_a_trainer_that_was_blocked_waiting_for_its_peers_is_not_at_fault_when_i
     )
     assert (outcome.member_dead, "blocked waiting for its peers" in outcome.reason) == (False, True)
     assert [e.type for e in outcome.events] == [EventType.FAULT_REPORTED]
+    # Its peers may wait for it in turn: the epoch is to be re-formed unless a loss explains it.
+    assert outcome.left_epoch
     alone = membership.report_fault(NOW, job(), "a0", 1, FaultKind.TRAINER_EXITED, 2, -6, "")
-    assert alone.member_dead
+    assert alone.member_dead and not alone.left_epoch
+    older = membership.report_fault(
+        NOW, job(), "a0", 1, FaultKind.TRAINER_EXITED, 1, -6, "", blocked_since=98.5
+    )
+    assert not older.member_dead and not older.left_epoch  # its epoch was replaced already
 
 
 def test_a_host_lost_a_moment_ago_is_not_preferred_to_a_real_spare() -> None:

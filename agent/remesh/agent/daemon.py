@@ -132,6 +132,9 @@ _RELAYED_CALL_S = 8.0
 # acknowledgements that way within a second). The agent never cancels a relayed call itself, and each
 # of them is safe to repeat.
 _RELAY_AGAIN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+# How long a trainer fault's report keeps trying (``_relay``): nothing else tells the coordinator that
+# the trainer died, so longer than a relayed call, yet bounded (the stall detector is the fallback).
+_FAULT_REPORT_S = 30.0
 # An answer on the heartbeat stream carries its status as the number (pb.AckReply.code).
 _STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -907,9 +910,13 @@ class Agent:
 
     async def _report_fault(self, fault: Decision, exit_code: int) -> None:
         assert fault.fault is not None
+        request = self._fault_request(fault.fault, fault.epoch, exit_code, fault.reason)
         try:
-            reply = await self._connect().ReportFault(
-                self._fault_request(fault.fault, fault.epoch, exit_code, fault.reason), timeout=5
+            # Through a failover too: a report lost there would leave the trainer dead with nobody told.
+            reply = await self._relay(
+                "ReportFault",
+                lambda stub, _: stub.ReportFault(request, timeout=5),
+                deadline=time.monotonic() + _FAULT_REPORT_S,
             )
         except grpc.aio.AioRpcError as exc:
             self.log.warning("could not report the trainer fault", code=exc.code().name, detail=exc.details())

@@ -96,6 +96,10 @@ class FaultOutcome:
     events: list[Event]
     member_dead: bool
     reason: str
+    # The trainer died waiting for its peers in the running epoch, and nothing explains it yet: its
+    # peers may wait for it in turn, so unless a loss comes in the detection window, the same members
+    # must re-form (noted as a failed collective of the epoch, ``observations.collective_failed``).
+    left_epoch: bool = False
 
 
 def validate_host_id(host_id: str, max_length: int) -> None:
@@ -403,6 +407,7 @@ def report_fault(
         else []
     )
     running = of_running_epoch(state, host_id, epoch)
+    left = False
     if state.finished:
         # A trainer that aborts after the job's last step (JAX's shutdown with a peer already gone)
         # cost nothing: nothing is recorded.
@@ -450,19 +455,22 @@ def report_fault(
     elif failing:
         reason = f"collateral: {', '.join(failing)} failing in the same epoch"
         dead = False
+        # A suspect may yet be refuted by its next heartbeat, and then nothing would replace the epoch.
+        left = running
     elif blocked_since is not None:
         reason = (
             f"collateral: its trainer was blocked waiting for its peers since {blocked_since:.2f} "
             f"({kind.value}: {detail or f'exit code {exit_code}'})"
         )
         dead = False
+        left = running
     else:
         reason = f"{kind.value}: {detail or f'exit code {exit_code}'}"
         dead = True
     events = [_fault_event(now, state, host_id, incarnation, reason, replace(details, charged=dead))]
     if dead:
         events += declare(now, state, host_id, incarnation, MemberState.DEAD, reason)
-    return FaultOutcome(events, dead, reason)
+    return FaultOutcome(events, dead, reason, left_epoch=left)
 
 
 def _fault_event(

@@ -733,6 +733,20 @@ class Coordinator:
                     # Noted before this commit's plan, which may halt a crash loop with it
                     # (planner.crash_loop).
                     self.observations = observations.crashed(self.observations, event)
+            if result.left_epoch:
+                # Its peers may be waiting for it: the same members re-form unless a loss explains
+                # the death within the detection window (planner.reform).
+                self.observations, _ = observations.collective_failed(
+                    self.observations,
+                    s,
+                    host_id,
+                    incarnation,
+                    epoch,
+                    CollectiveFailureReport(f"its trainer exited while blocked ({kind.value})"),
+                    now,
+                    self._max_id,
+                )
+                self._plan_now = True
             if kind is membership.FaultKind.STATE_LOST:
                 # Noted before this commit's plan, which halts the job with it (planner.state_lost).
                 self.observations = observations.state_lost(
