@@ -48,11 +48,11 @@ lowest:
 	$(PYTHON) -m venv $(LOWEST)
 	$(LOWEST)/bin/python -m pip install -q --upgrade pip
 	$(PYTHON) .ci/lowest_constraints.py > $(LOWEST)/constraints.txt
-	$(LOWEST)/bin/python -m pip install -q -c $(LOWEST)/constraints.txt . pytest pytest-timeout hypothesis
+	$(LOWEST)/bin/python -m pip install -q -c $(LOWEST)/constraints.txt . pytest pytest-timeout pytest-xdist hypothesis
 	$(LOWEST)/bin/python -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("jax") is not None)'
 	$(LOWEST)/bin/remesh coordinator --help > /dev/null
 	$(LOWEST)/bin/remesh agent --help > /dev/null
-	$(LOWEST)/bin/python -m pytest -q -p no:cacheprovider $(LOWEST_TESTS)
+	$(LOWEST)/bin/python -m pytest -q -p no:cacheprovider -n 2 $(LOWEST_TESTS)
 
 bench: $(BIN)/.installed
 	$(BIN)/python benchmarks/detection.py

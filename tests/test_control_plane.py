@@ -656,9 +656,8 @@ def test_a_collective_every_member_says_failed_forms_the_same_members_again_at_o
     failure between healthy hosts): the same members form the next epoch at once, nobody is
     declared dead, and the stored log says why."""
 
-    async def scenario() -> tuple[int, int, float, list[Event]]:
+    async def scenario() -> tuple[int, int, list[Event]]:
         async with two_members_in_a_live_epoch(redis_server, job_id) as (coordinator, a, b, epoch):
-            t0 = time.monotonic()
             for member in (a, b):
                 reason = await coordinator.report_observation(
                     member.host_id, member.incarnation, epoch, CollectiveFailureReport("timed out")
@@ -667,18 +666,18 @@ def test_a_collective_every_member_says_failed_forms_the_same_members_again_at_o
             # Said again while waiting (the trainers do, every few seconds): counted once.
             await coordinator.report_observation("host-a", a.incarnation, epoch, CollectiveFailureReport(""))
             await wait_async(lambda: coordinator.state.epoch > epoch, 5.0)
-            took = time.monotonic() - t0
             said = coordinator.metrics.registry.get_sample_value("remesh_collective_failures_total")
             assert said == 2
-            return epoch, coordinator.state.epoch, took, await read_events(redis_server, job_id)
+            return epoch, coordinator.state.epoch, await read_events(redis_server, job_id)
 
-    epoch, new_epoch, took, events = asyncio.run(scenario())
+    epoch, new_epoch, events = asyncio.run(scenario())
     assert new_epoch == epoch + 1
-    assert took < PlannerSettings().reform_after_s  # not the wait for a lost member
     assert not [e for e in events if e.type is EventType.MEMBER_DEAD]
     changed = [e for e in events if e.type is EventType.TOPOLOGY_CHANGED]
     assert changed[-1].topology is not None and changed[-1].topology.host_ids == ("host-a", "host-b")
     assert changed[-1].details["decision"] == "reform"
+    # Formed once every member had said so, not after waiting reform_after_s for a lost member (the
+    # reason of that path names how many said it and how long it waited).
     assert "every member said a collective" in changed[-1].reason
 
 
