@@ -371,10 +371,11 @@ def main() -> int:
         """What a failure cost the job: its MTTR plus the steps it replayed, at a healthy step each."""
         return statistics.median(t.mttr + t.lost_steps * healthy for t in trials if t.kind == kind)
 
-    cost_ratio = cost("in-place") / cost("full restart")
+    inplace_cost, full_cost = cost("in-place"), cost("full restart")
+    cost_ratio = inplace_cost / full_cost
     print(
         f"\ncost of a failure (MTTR + replayed steps x {healthy:.3f}s), median: in place "
-        f"{cost('in-place'):.2f}s, full restart {cost('full restart'):.2f}s, ratio {cost_ratio:.3f}"
+        f"{inplace_cost:.2f}s, full restart {full_cost:.2f}s, ratio {cost_ratio:.3f}"
     )
     result = {
         "inplace_mttr_p50_s": round(inplace, 3),

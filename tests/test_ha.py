@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from structlog.testing import capture_logs
 
 from remesh.coordinator.errors import NotLeader
@@ -52,8 +53,6 @@ def stub(
 
 def coordinator_health(cluster: Cluster, address: str) -> int:
     """The replica's gRPC health of the ``remesh.v1.Coordinator`` service (SERVING while it leads)."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
     channel = cluster.channel(security.Role.OPERATOR, "operator", address)
     try:
         health = health_pb2_grpc.HealthStub(channel)
@@ -166,8 +165,6 @@ def test_followers_serve_reads_then_sigkill_of_the_leader_a_follower_leads_evict
     assert "late-host" not in cluster.members(), "a refused write changes nothing"
     # What a load balancer asks: the Coordinator service is SERVING on the leader alone. The
     # health service's own "" stays SERVING on every replica while its process serves.
-    from grpc_health.v1 import health_pb2
-
     SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
     wait_for(
         lambda: (
