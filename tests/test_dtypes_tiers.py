@@ -206,6 +206,15 @@ def test_host_shm_tier_read_by_a_restarted_trainer(name: str, tmp_path: Path) ->
     assert no_temporary_files(tmp_path)
 
 
+def test_a_snapshot_directory_given_as_text_works_like_a_path(tmp_path: Path) -> None:
+    """As ``Policy.shm_dir`` names it (a string): made, written and read back by a fresh store."""
+    directory = str(tmp_path / "shm" / "job")
+    Snapshots(2, directory).put(1, 3, pieces_of("bfloat16"))
+    found = Snapshots(2, directory).get(1, shapes_of("bfloat16"))
+    assert found is not None and found.tier == "host-shm"
+    assert_same_pieces(pieces_of("bfloat16"), found.pieces)
+
+
 def _header(path: Path) -> dict[str, Any]:
     data = path.read_bytes()
     rest = data.split(b"\n", 1)[1]

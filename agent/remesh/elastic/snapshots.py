@@ -154,9 +154,11 @@ class Snapshots:
     ``on_not_kept(step, tier, error)``: told of every snapshot that could not be written to
     ``directory`` (tier ``"host-shm"``); it is kept in the process all the same."""
 
-    def __init__(self, keep: int, directory: Path | None, on_not_kept: NotKept | None = None) -> None:
+    def __init__(
+        self, keep: int, directory: str | os.PathLike[str] | None, on_not_kept: NotKept | None = None
+    ) -> None:
         self.keep = keep
-        self.directory = directory
+        self.directory = None if directory is None else Path(directory)
         self.on_not_kept = on_not_kept
         # step -> (layout, pieces, input position as JSON text or None)
         self._memory: collections.OrderedDict[int, tuple[int, Pieces, str | None]] = collections.OrderedDict()
@@ -170,8 +172,8 @@ class Snapshots:
         # Temporary files this object is writing now: any other one in the directory is a stray
         # (a write cut short by a kill) that ``clear`` and ``drop_after`` delete.
         self._writing: set[Path] = set()
-        if directory is not None:
-            directory.mkdir(parents=True, exist_ok=True)
+        if self.directory is not None:
+            self.directory.mkdir(parents=True, exist_ok=True)
 
     def put(self, step: int, layout: int, pieces: Pieces, data: str | None = None) -> Pieces:
         """Keep ``pieces`` (and ``data``, the input position after the step, where given) as the
